@@ -1,0 +1,140 @@
+"""The sans-I/O core shared by ``Limiter`` and ``AsyncLimiter``.
+
+It turns (policy, identity, cost) into a script call (script, keys, args) and a script reply into
+a ``Decision``. The limiters only move these between the core and a storage, so the sync and
+async APIs cannot drift apart.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import os
+from dataclasses import dataclass
+
+from ._algorithms import RETRY_NEVER, RETRY_NONE, encode_args, get_algorithm
+from ._clock import Clock
+from ._decision import Decision
+from ._errors import ConfigError
+from ._keys import DEFAULT_KEY_PREFIX, Identity, KeyBuilder
+from ._policy import Policy
+from ._rates import MAX_INT
+from ._scripts import Script, load_script
+
+__all__ = ["TTL_MARGIN_MS", "Call", "Core"]
+
+#: Extra lifetime of every key beyond its longest window, for clock skew between client and store.
+TTL_MARGIN_MS = 1_000
+
+
+@dataclass(frozen=True, slots=True)
+class Call:
+    """One script call, ready for a storage to run."""
+
+    script: Script
+    keys: tuple[str, ...]
+    args: tuple[int | str, ...]
+    policy: Policy
+
+
+class _Tokens:
+    """Unique tokens: a random per-process nonce plus a counter; renewed in forked children."""
+
+    def __init__(self) -> None:
+        self._renew()
+        os.register_at_fork(after_in_child=self._renew)
+
+    def _renew(self) -> None:
+        self._nonce = os.urandom(6).hex()
+        self._counter = itertools.count()
+
+    def next(self) -> str:
+        return f"{self._nonce}{next(self._counter):x}"
+
+
+_TOKENS = _Tokens()
+
+
+def _check_cost(cost: int) -> int:
+    if isinstance(cost, bool) or not isinstance(cost, int):
+        raise ConfigError(f"cost must be an int, got {cost!r}")
+    if not 1 <= cost <= MAX_INT:
+        raise ConfigError(f"cost must be between 1 and 2**53, got {cost}")
+    return cost
+
+
+class Core:
+    """Builds calls and reads replies. Holds no I/O and no mutable state but a token counter."""
+
+    __slots__ = ("clock", "keys")
+
+    def __init__(self, *, key_prefix: str = DEFAULT_KEY_PREFIX, clock: Clock | None = None) -> None:
+        if clock is not None and not callable(clock):
+            raise ConfigError(f"clock must be callable and return epoch seconds, got {clock!r}")
+        self.keys = KeyBuilder(key_prefix)
+        self.clock = clock
+
+    def _now(self) -> int:
+        if self.clock is None:
+            return 0
+        now = self.clock()
+        us = int(now * 1_000_000)
+        if not 0 < us <= MAX_INT:
+            raise ConfigError(f"clock returned {now!r}: expected positive epoch seconds")
+        return us
+
+    def call(self, policy: Policy, identity: Identity, cost: int, *, peek: bool) -> Call:
+        """The script call that hits (or peeks at) ``identity`` under ``policy``."""
+        if not isinstance(policy, Policy):
+            raise ConfigError(f"policy must be a Policy, got {type(policy).__name__}")
+        _check_cost(cost)
+        algorithm = get_algorithm(policy.algorithm)
+        keys = self.keys.keys(policy.name, identity, algorithm.suffixes)
+        args = encode_args(
+            self._now(),
+            cost=cost,
+            peek=peek,
+            token=_TOKENS.next(),
+            ttl_ms=policy.max_period_ms + TTL_MARGIN_MS,
+            rates=[(rate.limit, rate.period_us) for rate in policy.rates],
+        )
+        return Call(load_script(algorithm.script), keys, args, policy)
+
+    def reset_keys(self, policy: Policy, identity: Identity) -> tuple[str, ...]:
+        """The keys that ``reset`` deletes."""
+        if not isinstance(policy, Policy):
+            raise ConfigError(f"policy must be a Policy, got {type(policy).__name__}")
+        return self.keys.keys(policy.name, identity, get_algorithm(policy.algorithm).suffixes)
+
+    @staticmethod
+    def decide(call: Call, reply: list[int]) -> Decision:
+        """Read a script reply into a Decision."""
+        policy = call.policy
+        allowed = int(reply[0]) == 1
+        best = -1
+        best_key: tuple[float, float] | None = None
+        for i in range(len(policy.rates)):
+            remaining, reset, retry = (int(v) for v in reply[1 + 3 * i : 4 + 3 * i])
+            if allowed:
+                # The rate with the fewest units left, then the longest wait to reset.
+                key: tuple[float, float] = (-remaining, reset)
+            else:
+                if retry == RETRY_NONE:
+                    continue
+                # The denying rate with the longest wait.
+                key = (math.inf if retry == RETRY_NEVER else retry, reset)
+            if best_key is None or key > best_key:
+                best, best_key = i, key
+        remaining, reset, retry = (int(v) for v in reply[1 + 3 * best : 4 + 3 * best])
+        retry_after: float | None = None
+        if not allowed:
+            retry_after = math.inf if retry == RETRY_NEVER else retry / 1_000_000
+        return Decision(
+            allowed=allowed,
+            limit=policy.rates[best].limit,
+            remaining=remaining,
+            reset_after=reset / 1_000_000,
+            retry_after=retry_after,
+            policy=policy.name,
+            rate=policy.rates[best],
+        )

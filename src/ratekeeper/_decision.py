@@ -1,0 +1,39 @@
+"""``Decision``: the immutable result of one check."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ._rates import Rate
+
+__all__ = ["Decision"]
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """What the limiter decided for one ``hit`` or ``peek``.
+
+    ``limit``, ``remaining`` and ``reset_after`` come from the rate that constrains most: on a
+    denial the denying rate with the longest wait, otherwise the rate with the fewest units left.
+
+    Attributes:
+        allowed: the request may proceed (for ``peek``: a hit of that cost would pass now).
+        limit: the constraining rate's limit.
+        remaining: units of cost still available in that rate's window after this call.
+        reset_after: seconds until that rate's window is completely free again.
+        retry_after: exact seconds until a request of the same cost could pass; ``None`` when
+            allowed, ``math.inf`` when the cost exceeds a limit and can never pass.
+        policy: the policy's name.
+        rate: the constraining rate.
+    """
+
+    allowed: bool
+    limit: int
+    remaining: int
+    reset_after: float
+    retry_after: float | None
+    policy: str
+    rate: Rate
+
+    def __bool__(self) -> bool:
+        return self.allowed

@@ -1,0 +1,73 @@
+"""The only place Redis keys are built.
+
+A key looks like ``<prefix>:<policy>:{<tag>}:<suffix>``:
+
+* ``prefix`` and ``policy`` are validated configuration and contain no braces;
+* ``tag`` is 22 characters of URL-safe base64 of a 128-bit BLAKE2b digest of the policy name and
+  the identity. Every key of one decision shares it, so Redis Cluster puts them in one slot, and
+  the identity never appears raw: it cannot pick the slot, collide with another identity through
+  escaping tricks, or make the key longer than a fixed bound;
+* ``suffix`` names the algorithm's structure.
+"""
+
+from __future__ import annotations
+
+import re
+from base64 import urlsafe_b64encode
+from hashlib import blake2b
+
+from ._errors import ConfigError
+
+__all__ = ["DEFAULT_KEY_PREFIX", "Identity", "KeyBuilder", "identity_bytes"]
+
+Identity = str | bytes | int
+
+DEFAULT_KEY_PREFIX = "ratekeeper"
+
+_PREFIX = re.compile(r"[A-Za-z0-9_.:/-]{1,64}", re.ASCII)
+
+
+def identity_bytes(identity: Identity) -> bytes:
+    """Encode an identity for hashing. ``None`` and other types are a ConfigError.
+
+    ``str`` is encoded as UTF-8 (lone surrogates are kept, not rejected), ``int`` as its decimal
+    string, so ``42`` and ``"42"`` are the same identity, as are ``"a"`` and ``b"a"``.
+    """
+    if isinstance(identity, str):
+        return identity.encode("utf-8", "surrogatepass")
+    if isinstance(identity, bytes):
+        return identity
+    if isinstance(identity, int) and not isinstance(identity, bool):
+        return str(identity).encode("ascii")
+    raise ConfigError(f"identity must be str, bytes or int, got {type(identity).__name__}")
+
+
+class KeyBuilder:
+    """Builds the keys of one decision from a policy name and an identity."""
+
+    __slots__ = ("prefix",)
+
+    def __init__(self, prefix: str = DEFAULT_KEY_PREFIX) -> None:
+        if not isinstance(prefix, str) or _PREFIX.fullmatch(prefix) is None:
+            raise ConfigError(
+                f"key_prefix {prefix!r} is invalid: use 1-64 characters of "
+                "A-Z a-z 0-9 _ . : / - (no braces: they would become the cluster hash tag)"
+            )
+        self.prefix = prefix
+
+    def tag(self, policy_name: str, identity: Identity) -> str:
+        """The hash tag shared by every key of one (policy, identity)."""
+        name = policy_name.encode("ascii")
+        h = blake2b(digest_size=16, person=b"ratekeeper-id")
+        # Length-prefix the name so (name, identity) pairs can never run into each other.
+        h.update(len(name).to_bytes(2, "big"))
+        h.update(name)
+        h.update(identity_bytes(identity))
+        return urlsafe_b64encode(h.digest()).rstrip(b"=").decode("ascii")
+
+    def keys(
+        self, policy_name: str, identity: Identity, suffixes: tuple[str, ...]
+    ) -> tuple[str, ...]:
+        """The keys of one decision: one per suffix, all in the same cluster slot."""
+        base = f"{self.prefix}:{policy_name}:{{{self.tag(policy_name, identity)}}}:"
+        return tuple(base + suffix for suffix in suffixes)

@@ -1,0 +1,26 @@
+"""Lua scripts shipped as package data (``ratekeeper/lua/*.lua``), identified by SHA1."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import cache
+from hashlib import sha1
+from importlib import resources
+
+__all__ = ["Script", "load_script"]
+
+
+@dataclass(frozen=True, slots=True)
+class Script:
+    """A Lua script: its name, source and the SHA1 that EVALSHA uses."""
+
+    name: str
+    source: bytes = field(repr=False)
+    sha: str
+
+
+@cache
+def load_script(name: str) -> Script:
+    """Read ``lua/<name>.lua`` from the package, once."""
+    source = resources.files("ratekeeper").joinpath("lua").joinpath(f"{name}.lua").read_bytes()
+    return Script(name, source, sha1(source).hexdigest())

@@ -1,0 +1,66 @@
+"""Storages, and opening one from a URL.
+
+``memory://``                  the embedded in-process backend
+``redis://[[user]:pass@]host[:port][/db]``, ``rediss://...`` (TLS), ``unix:///path[?db=N]``
+                               Redis or Valkey through redis-py
+"""
+
+from __future__ import annotations
+
+from typing import Any
+from urllib.parse import urlsplit
+
+from .._clock import Clock, system_clock
+from .._errors import ConfigError
+from .base import AsyncStorage, SyncStorage
+from .memory import AsyncMemoryStorage, MemoryStorage
+
+__all__ = ["AsyncStorage", "SyncStorage", "open_async", "open_sync"]
+
+_REDIS_SCHEMES = frozenset({"redis", "rediss", "unix", "valkey", "valkeys"})
+
+
+def _scheme(url: str) -> str:
+    if not isinstance(url, str):
+        raise ConfigError(f"storage URL must be a string, got {type(url).__name__}")
+    scheme = urlsplit(url).scheme.lower()
+    if scheme == "memory" or scheme in _REDIS_SCHEMES:
+        return scheme
+    raise ConfigError(
+        f"unsupported storage URL {url!r}: use memory://, redis://, rediss:// or unix://"
+    )
+
+
+def _redis_url(url: str, scheme: str) -> str:
+    # valkey:// and valkeys:// are spelled redis:// and rediss:// for redis-py.
+    if scheme.startswith("valkey"):
+        return "redis" + url[len("valkey") :]
+    return url
+
+
+def _memory_clock(url: str, options: dict[str, Any], clock: Clock | None) -> Clock:
+    if options:
+        raise ConfigError(f"unknown option(s) for memory://: {', '.join(sorted(options))}")
+    if urlsplit(url).netloc or urlsplit(url).path not in ("", "/"):
+        raise ConfigError(f"memory:// takes no host or path, got {url!r}")
+    return clock or system_clock
+
+
+def open_sync(url: str, *, clock: Clock | None = None, **options: Any) -> SyncStorage:
+    """A blocking storage for ``url``."""
+    scheme = _scheme(url)
+    if scheme == "memory":
+        return MemoryStorage(clock=_memory_clock(url, options, clock))
+    from .redis import RedisStorage
+
+    return RedisStorage.from_url(_redis_url(url, scheme), **options)
+
+
+def open_async(url: str, *, clock: Clock | None = None, **options: Any) -> AsyncStorage:
+    """An asyncio storage for ``url``."""
+    scheme = _scheme(url)
+    if scheme == "memory":
+        return AsyncMemoryStorage(clock=_memory_clock(url, options, clock))
+    from .redis import AsyncRedisStorage
+
+    return AsyncRedisStorage.from_url(_redis_url(url, scheme), **options)

@@ -1,0 +1,159 @@
+"""Redis and Valkey through redis-py: scripts run by SHA, errors translated at the boundary.
+
+Each decision is one EVALSHA. On NOSCRIPT (a restart, ``SCRIPT FLUSH``, a failover to a replica
+with a cold cache) the script is loaded and the call retried once. A timeout is never retried:
+the script may already have run. A broken connection is retried once on a fresh connection by
+redis-py (``Retry`` below), which at worst counts a hit twice and never admits one too many.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .._errors import (
+    ConfigError,
+    StorageError,
+    StorageResponseError,
+    StorageTimeout,
+    StorageUnavailable,
+)
+from .._scripts import Script
+
+try:
+    import redis
+    import redis.asyncio
+    import redis.asyncio.retry
+    from redis.backoff import NoBackoff
+    from redis.exceptions import NoScriptError
+    from redis.retry import Retry
+except ImportError as exc:  # pragma: no cover - exercised only without the extra
+    raise ConfigError(
+        "Redis support needs the 'redis' extra: pip install 'ratekeeper[redis]'"
+    ) from exc
+
+__all__ = ["AsyncRedisStorage", "RedisStorage", "client_options"]
+
+#: Default seconds to wait for a reply and for a connection.
+DEFAULT_TIMEOUT = 0.5
+DEFAULT_CONNECT_TIMEOUT = 1.0
+
+_OWN_OPTIONS = frozenset({"timeout", "connect_timeout", "max_connections", "redis_options"})
+
+
+def client_options(options: dict[str, Any]) -> dict[str, Any]:
+    """redis-py keyword arguments from limiter options; unknown options are a ConfigError."""
+    unknown = set(options) - _OWN_OPTIONS
+    if unknown:
+        raise ConfigError(
+            f"unknown option(s) for a Redis URL: {', '.join(sorted(unknown))}; "
+            f"known: {', '.join(sorted(_OWN_OPTIONS))}, key_prefix, clock"
+        )
+    timeout = options.get("timeout", DEFAULT_TIMEOUT)
+    connect_timeout = options.get("connect_timeout", DEFAULT_CONNECT_TIMEOUT)
+    for name, value in (("timeout", timeout), ("connect_timeout", connect_timeout)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+            raise ConfigError(f"{name} must be a positive number of seconds, got {value!r}")
+    kwargs: dict[str, Any] = {
+        "socket_timeout": timeout,
+        "socket_connect_timeout": connect_timeout,
+        "decode_responses": False,
+    }
+    if "max_connections" in options:
+        kwargs["max_connections"] = options["max_connections"]
+    extra = options.get("redis_options") or {}
+    if not isinstance(extra, dict):
+        raise ConfigError(f"redis_options must be a dict, got {type(extra).__name__}")
+    kwargs.update(extra)
+    return kwargs
+
+
+def _translate(exc: redis.RedisError) -> StorageError:
+    """Map a redis-py error to ratekeeper's tree; the caller raises it ``from exc``."""
+    if isinstance(exc, redis.TimeoutError):
+        return StorageTimeout(f"the store did not answer in time: {exc}")
+    if isinstance(exc, redis.ConnectionError):
+        return StorageUnavailable(f"cannot reach the store: {exc}")
+    if isinstance(exc, redis.ResponseError):
+        return StorageResponseError(f"the store refused the command: {exc}")
+    return StorageError(f"store error: {exc}")
+
+
+class RedisStorage:
+    """Runs scripts on a ``redis.Redis`` client."""
+
+    def __init__(self, client: redis.Redis) -> None:
+        self.client = client
+
+    @classmethod
+    def from_url(cls, url: str, **options: Any) -> RedisStorage:
+        kwargs = client_options(options)
+        kwargs.setdefault("retry", Retry(NoBackoff(), 1, supported_errors=(redis.ConnectionError,)))
+        try:
+            client = redis.Redis.from_url(url, **kwargs)
+        except (ValueError, TypeError) as exc:
+            raise ConfigError(f"invalid Redis URL or options {url!r}: {exc}") from exc
+        return cls(client)
+
+    def run(self, script: Script, keys: tuple[str, ...], args: tuple[int | str, ...]) -> list[int]:
+        client = self.client
+        try:
+            try:
+                reply = client.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)  # type: ignore[no-untyped-call]
+            except NoScriptError:
+                client.script_load(script.source)
+                reply = client.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)  # type: ignore[no-untyped-call]
+        except redis.RedisError as exc:
+            raise _translate(exc) from exc
+        return reply  # type: ignore[no-any-return]
+
+    def delete(self, keys: tuple[str, ...]) -> None:
+        try:
+            self.client.delete(*keys)
+        except redis.RedisError as exc:
+            raise _translate(exc) from exc
+
+    def close(self) -> None:
+        self.client.close()
+
+
+class AsyncRedisStorage:
+    """Runs scripts on a ``redis.asyncio.Redis`` client."""
+
+    def __init__(self, client: redis.asyncio.Redis) -> None:
+        self.client = client
+
+    @classmethod
+    def from_url(cls, url: str, **options: Any) -> AsyncRedisStorage:
+        kwargs = client_options(options)
+        kwargs.setdefault(
+            "retry",
+            redis.asyncio.retry.Retry(NoBackoff(), 1, supported_errors=(redis.ConnectionError,)),
+        )
+        try:
+            client = redis.asyncio.Redis.from_url(url, **kwargs)
+        except (ValueError, TypeError) as exc:
+            raise ConfigError(f"invalid Redis URL or options {url!r}: {exc}") from exc
+        return cls(client)
+
+    async def run(
+        self, script: Script, keys: tuple[str, ...], args: tuple[int | str, ...]
+    ) -> list[int]:
+        client = self.client
+        try:
+            try:
+                reply = await client.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)  # type: ignore[no-untyped-call]
+            except NoScriptError:
+                await client.script_load(script.source)
+                reply = await client.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)  # type: ignore[no-untyped-call]
+        except redis.RedisError as exc:
+            raise _translate(exc) from exc
+        return reply  # type: ignore[no-any-return]
+
+    async def delete(self, keys: tuple[str, ...]) -> None:
+        try:
+            await self.client.delete(*keys)
+        except redis.RedisError as exc:
+            raise _translate(exc) from exc
+
+    async def close(self) -> None:
+        await self.client.aclose()
