@@ -34,6 +34,3 @@ class Decision:
     retry_after: float | None
     policy: str
     rate: Rate
-
-    def __bool__(self) -> bool:
-        return self.allowed
