@@ -12,15 +12,18 @@ from ._errors import (
     StorageTimeout,
     StorageUnavailable,
 )
+from ._lease import AsyncLease, Lease
 from ._limiter import AsyncLimiter, Limiter
 from ._policy import Policy
 from ._rates import Rate, parse_rates
 
 __all__ = [
+    "AsyncLease",
     "AsyncLimiter",
     "Clock",
     "ConfigError",
     "Decision",
+    "Lease",
     "Limiter",
     "ManualClock",
     "Policy",

@@ -12,7 +12,7 @@ import math
 import os
 from dataclasses import dataclass
 
-from ._algorithms import RETRY_NEVER, RETRY_NONE, encode_args, get_algorithm
+from ._algorithms import HIT, PEEK, RELEASE, RETRY_NEVER, RETRY_NONE, encode_args, get_algorithm
 from ._clock import Clock
 from ._decision import Decision
 from ._errors import ConfigError
@@ -35,6 +35,8 @@ class Call:
     keys: tuple[str, ...]
     args: tuple[int | str, ...]
     policy: Policy
+    token: str
+    cost: int
 
 
 class _Tokens:
@@ -83,8 +85,7 @@ class Core:
             raise ConfigError(f"clock returned {now!r}: expected positive epoch seconds")
         return us
 
-    def call(self, policy: Policy, identity: Identity, cost: int, *, peek: bool) -> Call:
-        """The script call that hits (or peeks at) ``identity`` under ``policy``."""
+    def _call(self, policy: Policy, identity: Identity, cost: int, mode: int, token: str) -> Call:
         if not isinstance(policy, Policy):
             raise ConfigError(f"policy must be a Policy, got {type(policy).__name__}")
         _check_cost(cost)
@@ -93,12 +94,39 @@ class Core:
         args = encode_args(
             self._now(),
             cost=cost,
-            peek=peek,
-            token=_TOKENS.next(),
-            ttl_ms=policy.max_period_ms + TTL_MARGIN_MS,
+            mode=mode,
+            token=token,
+            margin_ms=TTL_MARGIN_MS,
             rates=[(rate.limit, rate.period_us) for rate in policy.rates],
+            extra=algorithm.extra_args(policy),
         )
-        return Call(load_script(algorithm.script), keys, args, policy)
+        return Call(load_script(algorithm.script), keys, args, policy, token, cost)
+
+    def hit(self, policy: Policy, identity: Identity, cost: int) -> Call:
+        """The call that consumes ``cost`` for ``identity`` if every rate admits it."""
+        if policy.algorithm == "concurrency":
+            raise ConfigError(
+                f"policy {policy.name!r} hands out leases: use acquire(), which returns a lease "
+                "to release, instead of hit()"
+            )
+        return self._call(policy, identity, cost, HIT, _TOKENS.next())
+
+    def peek(self, policy: Policy, identity: Identity, cost: int) -> Call:
+        """The call that tells whether ``cost`` would be admitted, consuming nothing."""
+        return self._call(policy, identity, cost, PEEK, "")
+
+    def acquire(self, policy: Policy, identity: Identity, cost: int) -> Call:
+        """The call that takes a lease of ``cost`` units under a concurrency policy."""
+        if policy.algorithm != "concurrency":
+            raise ConfigError(
+                f"acquire() takes a concurrency policy; {policy.name!r} uses "
+                f"{policy.algorithm!r}: use hit()"
+            )
+        return self._call(policy, identity, cost, HIT, _TOKENS.next())
+
+    def release(self, acquired: Call, identity: Identity) -> Call:
+        """The call that gives back the lease taken by ``acquired``."""
+        return self._call(acquired.policy, identity, acquired.cost, RELEASE, acquired.token)
 
     def reset_keys(self, policy: Policy, identity: Identity) -> tuple[str, ...]:
         """The keys that ``reset`` deletes."""

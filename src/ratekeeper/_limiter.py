@@ -10,9 +10,10 @@ from types import TracebackType
 from typing import Any
 
 from ._clock import Clock
-from ._core import Core
+from ._core import Call, Core
 from ._decision import Decision
 from ._keys import DEFAULT_KEY_PREFIX, Identity
+from ._lease import Acquiring, AsyncLease, Lease
 from ._policy import Policy
 from ._storage import AsyncStorage, SyncStorage, open_async, open_sync
 
@@ -56,15 +57,27 @@ class Limiter:
         core = Core(key_prefix=key_prefix, clock=clock)  # validate before connecting
         return cls(open_sync(url, clock=clock, **options), key_prefix=core.keys.prefix, clock=clock)
 
+    def _run(self, call: Call) -> Decision:
+        return self._core.decide(call, self.storage.run(call.script, call.keys, call.args))
+
     def hit(self, policy: Policy, identity: Identity, cost: int = 1) -> Decision:
         """Consume ``cost`` if every rate of ``policy`` admits it; otherwise change nothing."""
-        call = self._core.call(policy, identity, cost, peek=False)
-        return self._core.decide(call, self.storage.run(call.script, call.keys, call.args))
+        return self._run(self._core.hit(policy, identity, cost))
 
     def peek(self, policy: Policy, identity: Identity, cost: int = 1) -> Decision:
         """Whether a hit of ``cost`` would pass now, without consuming anything."""
-        call = self._core.call(policy, identity, cost, peek=True)
-        return self._core.decide(call, self.storage.run(call.script, call.keys, call.args))
+        return self._run(self._core.peek(policy, identity, cost))
+
+    def acquire(self, policy: Policy, identity: Identity, cost: int = 1) -> Lease:
+        """Take a lease of ``cost`` units under a ``concurrency`` policy.
+
+        The lease is granted only if ``lease.allowed``; release it with ``lease.release()`` or
+        by using it as a context manager.
+        """
+        call = self._core.acquire(policy, identity, cost)
+        return Lease(
+            call, self._run(call), lambda c: self._run(self._core.release(c, identity)).allowed
+        )
 
     def reset(self, policy: Policy, identity: Identity) -> None:
         """Forget everything ``identity`` has consumed under ``policy``."""
@@ -121,15 +134,29 @@ class AsyncLimiter:
             open_async(url, clock=clock, **options), key_prefix=core.keys.prefix, clock=clock
         )
 
+    async def _run(self, call: Call) -> Decision:
+        return self._core.decide(call, await self.storage.run(call.script, call.keys, call.args))
+
     async def hit(self, policy: Policy, identity: Identity, cost: int = 1) -> Decision:
         """Consume ``cost`` if every rate of ``policy`` admits it; otherwise change nothing."""
-        call = self._core.call(policy, identity, cost, peek=False)
-        return self._core.decide(call, await self.storage.run(call.script, call.keys, call.args))
+        return await self._run(self._core.hit(policy, identity, cost))
 
     async def peek(self, policy: Policy, identity: Identity, cost: int = 1) -> Decision:
         """Whether a hit of ``cost`` would pass now, without consuming anything."""
-        call = self._core.call(policy, identity, cost, peek=True)
-        return self._core.decide(call, await self.storage.run(call.script, call.keys, call.args))
+        return await self._run(self._core.peek(policy, identity, cost))
+
+    def acquire(self, policy: Policy, identity: Identity, cost: int = 1) -> Acquiring:
+        """Take a lease under a ``concurrency`` policy: ``lease = await limiter.acquire(...)``
+        or ``async with limiter.acquire(...) as lease:`` (released on exit)."""
+        call = self._core.acquire(policy, identity, cost)
+
+        async def release(acquired: Call) -> bool:
+            return (await self._run(self._core.release(acquired, identity))).allowed
+
+        async def take() -> AsyncLease:
+            return AsyncLease(call, await self._run(call), release)
+
+        return Acquiring(take)
 
     async def reset(self, policy: Policy, identity: Identity) -> None:
         """Forget everything ``identity`` has consumed under ``policy``."""

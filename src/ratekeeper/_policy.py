@@ -6,8 +6,9 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from ._algorithms import get_algorithm
 from ._errors import ConfigError
-from ._rates import Rate, parse_rates
+from ._rates import MAX_INT, Rate, parse_rates
 
 __all__ = ["DEFAULT_MAX_LOG_ENTRIES", "Policy"]
 
@@ -21,17 +22,25 @@ _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:/-]{0,127}", re.ASCII)
 class Policy:
     """A named limit: one or more rates, checked all-or-nothing with one algorithm.
 
-    >>> Policy("api", "10/second;1000/hour")
-    Policy(name='api', rates=(Rate(limit=10, period=1.0), Rate(limit=1000, period=3600.0)), ...)
+    >>> api = Policy("api", "10/second;1000/hour")
+    >>> api.rates
+    (Rate(limit=10, period=1.0), Rate(limit=1000, period=3600.0))
 
     The name is part of every key and header, so it is restricted to 1-128 characters of
     ``A-Z a-z 0-9 _ . : / -`` starting with a letter or digit.
+
+    Algorithms: ``sliding_log`` (exact, one entry per unit; limits above ``max_log_entries`` are
+    refused), ``sliding_window`` (approximate, O(1)), ``fixed_window`` (exact per aligned window,
+    O(1)), ``gcra`` or its alias ``token_bucket`` (exact rate with ``burst``, O(1)) and
+    ``concurrency`` (leases: one rate whose limit is the units held at once and whose period is
+    the lease timeout; use ``Limiter.acquire``).
     """
 
     name: str
     rates: tuple[Rate, ...]
     algorithm: str
     max_log_entries: int
+    burst: int | None
 
     def __init__(
         self,
@@ -39,6 +48,7 @@ class Policy:
         rates: str | Rate | Iterable[Rate],
         algorithm: str = "sliding_log",
         *,
+        burst: int | None = None,
         max_log_entries: int = DEFAULT_MAX_LOG_ENTRIES,
     ) -> None:
         if not isinstance(name, str) or _NAME.fullmatch(name) is None:
@@ -50,14 +60,22 @@ class Policy:
             raise ConfigError(f"max_log_entries must be an int, got {max_log_entries!r}")
         if max_log_entries < 1:
             raise ConfigError(f"max_log_entries must be at least 1, got {max_log_entries}")
+        algo = get_algorithm(algorithm)
+        if burst is not None:
+            if isinstance(burst, bool) or not isinstance(burst, int):
+                raise ConfigError(f"burst must be an int, got {burst!r}")
+            if not 1 <= burst <= MAX_INT:
+                raise ConfigError(f"burst must be between 1 and 2**53, got {burst}")
+            if algorithm not in ("gcra", "token_bucket"):
+                raise ConfigError(
+                    f"burst applies to the gcra and token_bucket algorithms, not {algorithm!r}"
+                )
         object.__setattr__(self, "name", name)
         object.__setattr__(self, "rates", parse_rates(rates))
         object.__setattr__(self, "algorithm", algorithm)
         object.__setattr__(self, "max_log_entries", max_log_entries)
-        # Imported here: the algorithm registry imports Policy for its type hints.
-        from ._algorithms import get_algorithm
-
-        get_algorithm(algorithm).validate(self)
+        object.__setattr__(self, "burst", burst)
+        algo.validate(self)
 
     @property
     def max_limit(self) -> int:

@@ -2,12 +2,28 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from .._errors import ConfigError
-from . import sliding_log
-from ._base import RETRY_NEVER, RETRY_NONE, Algorithm, Args, Reply, decode_args, encode_args
+from . import concurrency, fixed_window, gcra, sliding_log, sliding_window
+from ._base import (
+    HIT,
+    PEEK,
+    RELEASE,
+    RETRY_NEVER,
+    RETRY_NONE,
+    Algorithm,
+    Args,
+    Reply,
+    decode_args,
+    encode_args,
+)
 
 __all__ = [
     "ALGORITHMS",
+    "HIT",
+    "PEEK",
+    "RELEASE",
     "RETRY_NEVER",
     "RETRY_NONE",
     "Algorithm",
@@ -19,7 +35,16 @@ __all__ = [
 ]
 
 ALGORITHMS: dict[str, Algorithm] = {
-    algorithm.name: algorithm for algorithm in (sliding_log.ALGORITHM,)
+    algorithm.name: algorithm
+    for algorithm in (
+        sliding_log.ALGORITHM,
+        sliding_window.ALGORITHM,
+        fixed_window.ALGORITHM,
+        gcra.ALGORITHM,
+        # A token bucket refilled continuously is GCRA; the alias shares its script and keys.
+        replace(gcra.ALGORITHM, name="token_bucket"),
+        concurrency.ALGORITHM,
+    )
 }
 
 

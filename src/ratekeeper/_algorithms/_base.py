@@ -8,10 +8,12 @@ ARGV, shared by every algorithm::
 
     1  now        microseconds since the epoch; 0 = use the store's clock (Redis TIME)
     2  cost       units to consume, >= 1
-    3  mode       0 = hit (consume if every rate admits), 1 = peek (read only)
+    3  mode       0 = hit (consume if every rate admits), 1 = peek (read only),
+                  2 = release (concurrency leases only; read only elsewhere)
     4  token      unique per call (per-process nonce + counter): makes log members unique
-    5  ttl        milliseconds every written key lives: the longest window plus a margin
+    5  margin     milliseconds every written key outlives the state it holds (clock skew)
     6  n          number of rates, then n pairs: limit, window in microseconds
+    7+2n ...      then the algorithm's own arguments (gcra: a burst per rate)
 
 Reply: ``{allowed, remaining_1, reset_1, retry_1, ..., remaining_n, reset_n, retry_n}`` with
 times in microseconds; ``retry_i`` is -1 when rate i admits and -2 when it never can.
@@ -28,8 +30,20 @@ from .._keyspace import Keyspace
 if TYPE_CHECKING:
     from .._policy import Policy
 
-__all__ = ["RETRY_NEVER", "RETRY_NONE", "Algorithm", "Args", "Reply", "decode_args", "encode_args"]
+__all__ = [
+    "HIT",
+    "PEEK",
+    "RELEASE",
+    "RETRY_NEVER",
+    "RETRY_NONE",
+    "Algorithm",
+    "Args",
+    "Reply",
+    "decode_args",
+    "encode_args",
+]
 
+HIT, PEEK, RELEASE = 0, 1, 2
 RETRY_NONE = -1
 RETRY_NEVER = -2
 
@@ -42,25 +56,33 @@ class Args:
 
     now: int
     cost: int
-    peek: bool
+    mode: int
     token: str
-    ttl_ms: int
+    margin_ms: int
     rates: tuple[tuple[int, int], ...]
+    extra: tuple[int, ...]
+
+    @property
+    def consumes(self) -> bool:
+        """Whether this call may write (a hit); peeks and releases of counters never do."""
+        return self.mode == HIT
 
 
 def encode_args(
     now: int,
     *,
     cost: int,
-    peek: bool,
+    mode: int,
     token: str,
-    ttl_ms: int,
+    margin_ms: int,
     rates: Sequence[tuple[int, int]],
+    extra: Sequence[int] = (),
 ) -> tuple[int | str, ...]:
     """ARGV for a script call (see the module docstring)."""
-    flat: list[int | str] = [now, cost, 1 if peek else 0, token, ttl_ms, len(rates)]
+    flat: list[int | str] = [now, cost, mode, token, margin_ms, len(rates)]
     for limit, window in rates:
         flat += (limit, window)
+    flat += extra
     return tuple(flat)
 
 
@@ -72,10 +94,11 @@ def decode_args(args: Sequence[int | str], now: int) -> Args:
     return Args(
         now=given if given > 0 else now,
         cost=int(args[1]),
-        peek=int(args[2]) == 1,
+        mode=int(args[2]),
         token=str(args[3]),
-        ttl_ms=int(args[4]),
+        margin_ms=int(args[4]),
         rates=rates,
+        extra=tuple(int(arg) for arg in args[6 + 2 * n :]),
     )
 
 
@@ -88,3 +111,4 @@ class Algorithm:
     suffixes: tuple[str, ...]
     reference: Callable[[Keyspace, tuple[str, ...], Args], Reply]
     validate: Callable[[Policy], None]
+    extra_args: Callable[[Policy], tuple[int, ...]] = lambda policy: ()

@@ -40,7 +40,7 @@ def reference(keyspace: Keyspace, keys: tuple[str, ...], args: Args) -> Reply:
         starts.append(start)
         if len(log) - start + cost > limit:
             allowed = False
-    consume = allowed and not args.peek
+    consume = allowed and args.consumes
     reply = [1 if allowed else 0]
     for (limit, window), start in zip(args.rates, starts, strict=True):
         count = len(log) - start
@@ -65,8 +65,9 @@ def reference(keyspace: Keyspace, keys: tuple[str, ...], args: Args) -> Reply:
         else:
             for _ in range(cost):
                 insort_right(log, now)
-        del log[: bisect_right(log, now - max(window for _, window in args.rates))]
-        keyspace.set(keys[0], log, args.ttl_ms, now)
+        longest = max(window for _, window in args.rates)
+        del log[: bisect_right(log, now - longest)]
+        keyspace.set(keys[0], log, -(-longest // 1000) + args.margin_ms, now)
     return reply
 
 

@@ -3,9 +3,9 @@
 -- KEYS[1]  the log: a sorted set; score = admission time in microseconds, member = unique token
 -- ARGV[1]  now, microseconds since the epoch; 0 = use the server clock (TIME)
 -- ARGV[2]  cost, an integer >= 1
--- ARGV[3]  mode: 0 = hit (consume when every rate admits), 1 = peek (read only)
+-- ARGV[3]  mode: 0 = hit (consume when every rate admits), anything else = read only
 -- ARGV[4]  token, unique per call; the members written are token .. '.' .. i for i = 1..cost
--- ARGV[5]  TTL in milliseconds for the log: the longest window plus a margin
+-- ARGV[5]  margin in milliseconds: the log lives its longest window plus this (clock skew)
 -- ARGV[6]  n, the number of rates; then for i = 1..n: ARGV[5+2i] limit, ARGV[6+2i] window (us)
 --
 -- Returns {allowed, remaining_1, reset_1, retry_1, ..., remaining_n, reset_n, retry_n}:
@@ -25,7 +25,7 @@ if now <= 0 then
   now = tonumber(t[1]) * 1000000 + tonumber(t[2])
 end
 local cost = tonumber(ARGV[2])
-local peek = ARGV[3] == '1'
+local peek = ARGV[3] ~= '0'
 local n = tonumber(ARGV[6])
 local key = KEYS[1]
 
@@ -93,6 +93,6 @@ if consume then
     i = last + 1
   end
   redis.call('ZREMRANGEBYSCORE', key, '-inf', string.format('%d', now - maxwindow))
-  redis.call('PEXPIRE', key, ARGV[5])
+  redis.call('PEXPIRE', key, string.format('%d', math.ceil(maxwindow / 1000) + tonumber(ARGV[5])))
 end
 return reply

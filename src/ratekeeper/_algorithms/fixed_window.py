@@ -1,0 +1,63 @@
+"""Fixed window: a counter per epoch-aligned window; mirrors ``lua/fixed_window.lua``.
+
+Exact within a window; a client can spend up to twice the limit across a window boundary.
+The key expires at the end of the longest current window (plus the margin), so hits never
+keep it alive longer than its window.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from .._keyspace import Keyspace
+from ._base import RETRY_NEVER, RETRY_NONE, Algorithm, Args, Reply
+
+if TYPE_CHECKING:
+    from .._policy import Policy
+
+
+def validate(policy: Policy) -> None:
+    """Any rates will do."""
+
+
+def reference(keyspace: Keyspace, keys: tuple[str, ...], args: Args) -> Reply:
+    now, cost = args.now, args.cost
+    stored: dict[str, int] = keyspace.get(keys[0], now) or {}
+    allowed = True
+    starts, counts = [], []
+    for i, (limit, window) in enumerate(args.rates, 1):
+        start = now - now % window
+        count = stored.get(f"c{i}", 0) if stored.get(f"w{i}") == start else 0
+        starts.append(start)
+        counts.append(count)
+        if count + cost > limit:
+            allowed = False
+    consume = allowed and args.consumes
+    reply = [1 if allowed else 0]
+    expire_at = 0
+    writes: dict[str, int] = {}
+    for i, ((limit, window), start, count) in enumerate(
+        zip(args.rates, starts, counts, strict=True), 1
+    ):
+        used = count + cost if consume else count
+        ends = start + window
+        retry = RETRY_NONE
+        if count + cost > limit:
+            retry = RETRY_NEVER if cost > limit else ends - now
+        reply += (max(limit - used, 0), ends - now if used > 0 else 0, retry)
+        expire_at = max(expire_at, ends)
+        writes[f"w{i}"] = start
+        writes[f"c{i}"] = used
+    if consume:
+        stored = {**stored, **writes}
+        keyspace.set(keys[0], stored, -(-(expire_at - now) // 1000) + args.margin_ms, now)
+    return reply
+
+
+ALGORITHM = Algorithm(
+    name="fixed_window",
+    script="fixed_window",
+    suffixes=("fw",),
+    reference=reference,
+    validate=validate,
+)

@@ -1,0 +1,94 @@
+"""GCRA, the generic cell rate algorithm; mirrors ``lua/gcra.lua``.
+
+A token bucket without a refill loop: one theoretical arrival time (TAT) per rate. With emission
+interval T = period / limit and burst B (the policy's ``burst``, by default the limit), a cost c
+fits at time t when ``max(TAT, t) + c*T - t <= B*T``. The TAT is kept exactly as a whole number
+of milliseconds plus a remainder in units of 1/limit ms, so the rate is exact and so is
+``retry_after`` (to the millisecond the algorithm counts in).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from .._errors import ConfigError
+from .._keyspace import Keyspace
+from ._base import RETRY_NEVER, RETRY_NONE, Algorithm, Args, Reply
+
+if TYPE_CHECKING:
+    from .._policy import Policy
+
+#: B * W_ms must stay below this so that every intermediate value is exact in a Lua double.
+_MAX_PRODUCT = 2**52
+
+
+def bursts(policy: Policy) -> tuple[int, ...]:
+    """The burst of each rate: the policy's ``burst`` for a single rate, else each limit."""
+    if policy.burst is not None:
+        return (policy.burst,)
+    return tuple(rate.limit for rate in policy.rates)
+
+
+def validate(policy: Policy) -> None:
+    if policy.burst is not None and len(policy.rates) > 1:
+        raise ConfigError(
+            f"policy {policy.name!r}: burst applies to a single-rate gcra policy; with several "
+            "rates each rate's burst is its limit"
+        )
+    for rate, burst in zip(policy.rates, bursts(policy), strict=True):
+        if burst * rate.period_ms > _MAX_PRODUCT:
+            raise ConfigError(
+                f"policy {policy.name!r}: gcra needs burst x period in ms <= 2**52 for exact "
+                f"arithmetic, and {rate} with burst {burst} exceeds it"
+            )
+
+
+def reference(keyspace: Keyspace, keys: tuple[str, ...], args: Args) -> Reply:
+    now, cost = args.now, args.cost
+    tms = now // 1000
+    stored: dict[str, int] = keyspace.get(keys[0], now) or {}
+    allowed = True
+    ds = []
+    for i, ((limit, window), burst) in enumerate(zip(args.rates, args.extra, strict=True), 1):
+        wms = window // 1000
+        q = stored.get(f"q{i}")
+        d = (q - tms) * limit + stored[f"r{i}"] if q is not None and q >= tms else 0
+        ds.append(d)
+        if d + cost * wms > burst * wms:
+            allowed = False
+    consume = allowed and args.consumes
+    reply = [1 if allowed else 0]
+    ttl = 0
+    writes: dict[str, int] = {}
+    for i, ((limit, window), burst, d) in enumerate(
+        zip(args.rates, args.extra, ds, strict=True), 1
+    ):
+        wms = window // 1000
+        after = d + cost * wms if consume else d
+        remaining = max((burst * wms - after) // wms, 0)
+        whole = after // limit
+        reset = 0
+        if after:
+            reset = tms * 1000 - now + whole * 1000 - (-((after - whole * limit) * 1000) // limit)
+            reset = max(reset, 0)
+        retry = RETRY_NONE
+        if cost > burst:
+            retry = RETRY_NEVER
+        elif d + cost * wms > burst * wms:
+            retry = (tms - (-(d + cost * wms - burst * wms) // limit)) * 1000 - now
+        reply += (remaining, reset, retry)
+        ttl = max(ttl, reset)
+        writes.update({f"q{i}": tms + whole, f"r{i}": after - whole * limit})
+    if consume:
+        keyspace.set(keys[0], {**stored, **writes}, -(-ttl // 1000) + args.margin_ms, now)
+    return reply
+
+
+ALGORITHM = Algorithm(
+    name="gcra",
+    script="gcra",
+    suffixes=("gcra",),
+    reference=reference,
+    validate=validate,
+    extra_args=bursts,
+)
