@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 
 @dataclass(frozen=True)
@@ -82,7 +84,10 @@ class RedisServer:
         return f"redis://127.0.0.1:{self.port}/0"
 
     def client(self) -> redis.Redis:
-        return redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=5)
+        # No retries: while a server starts, a refused connection should fail fast.
+        return redis.Redis(
+            host="127.0.0.1", port=self.port, socket_timeout=5, retry=Retry(NoBackoff(), 0)
+        )
 
     def start(self) -> RedisServer:
         args = [

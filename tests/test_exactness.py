@@ -1,0 +1,288 @@
+"""Exactness under concurrency: never one admission too many, and none too few.
+
+Every test uses windows of a minute or more, so nothing slides out of the window while it runs
+and the exact number of admissions is known in advance.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import random
+import threading
+from typing import Any
+
+import pytest
+import redis
+
+from ratekeeper import Limiter, ManualClock, Policy
+
+from . import workers
+from .servers import RedisServer
+
+PROCESSES = 4
+THREADS = 16
+HITS_EACH = 20
+LIMIT = 100
+START_TIMEOUT = 120.0
+
+
+def _run_processes(ctx: Any, target: Any, count: int, **kwargs: Any) -> list[dict[str, Any]]:
+    """Start ``count`` processes running ``target(**kwargs)``, collect one result from each and
+    reap them all."""
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=target, kwargs={**kwargs, "queue": queue}) for _ in range(count)]
+    for proc in procs:
+        proc.start()
+    try:
+        results = [queue.get(timeout=START_TIMEOUT) for _ in procs]
+    finally:
+        for proc in procs:
+            proc.join(30)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(10)
+        queue.close()
+        queue.join_thread()
+    assert [proc.exitcode for proc in procs] == [0] * len(procs)
+    assert len({result["pid"] for result in results}) == len(procs)
+    for result in results:
+        assert result["errors"] == []
+    return results
+
+
+def _zcard(url: str, limiter: Limiter, policy: Policy, identity: str) -> int:
+    """Entries in the log of ``identity``, read with a client of our own."""
+    (key,) = limiter.keys(policy, identity)
+    client = redis.Redis.from_url(url)
+    try:
+        return int(client.zcard(key))
+    finally:
+        client.close()
+
+
+def _assert_exhausted(limiter: Limiter, policy: Policy, identity: str) -> None:
+    decision = limiter.peek(policy, identity)
+    assert not decision.allowed
+    assert decision.remaining == 0
+    assert decision.retry_after is not None
+    assert decision.retry_after > 0
+
+
+def _assert_exactly_the_limit(
+    server: RedisServer, key_prefix: str, policy: Policy, results: list[dict[str, Any]], hits: int
+) -> None:
+    """Every hit was answered, exactly LIMIT were admitted, and the log holds LIMIT entries."""
+    admitted = sum(result["admitted"] for result in results)
+    denied = sum(result["denied"] for result in results)
+    assert admitted + denied == hits
+    assert admitted == LIMIT
+    with Limiter.from_url(server.url, key_prefix=key_prefix) as limiter:
+        assert _zcard(server.url, limiter, policy, "shared") == LIMIT
+        _assert_exhausted(limiter, policy, "shared")
+
+
+def test_processes_times_threads_admit_exactly_the_limit(server: RedisServer, key_prefix: str):
+    """4 spawned processes x 16 threads, 1,280 hits on one identity: exactly 100 pass."""
+    ctx = multiprocessing.get_context("spawn")
+    policy = Policy("exact", f"{LIMIT}/minute")
+    results = _run_processes(
+        ctx,
+        workers.threaded_hits,
+        PROCESSES,
+        url=server.url,
+        key_prefix=key_prefix,
+        policy_name=policy.name,
+        rates=f"{LIMIT}/minute",
+        identity="shared",
+        threads=THREADS,
+        hits_per_thread=HITS_EACH,
+        cost=1,
+        barrier=ctx.Barrier(PROCESSES * THREADS),
+    )
+    _assert_exactly_the_limit(server, key_prefix, policy, results, PROCESSES * THREADS * HITS_EACH)
+
+
+def test_processes_times_async_tasks_admit_exactly_the_limit(server: RedisServer, key_prefix: str):
+    """4 spawned processes x 16 asyncio tasks, 1,280 hits on one identity: exactly 100 pass."""
+    ctx = multiprocessing.get_context("spawn")
+    policy = Policy("exact", f"{LIMIT}/minute")
+    results = _run_processes(
+        ctx,
+        workers.async_hits,
+        PROCESSES,
+        url=server.url,
+        key_prefix=key_prefix,
+        policy_name=policy.name,
+        rates=f"{LIMIT}/minute",
+        identity="shared",
+        tasks=THREADS,
+        hits_per_task=HITS_EACH,
+        barrier=ctx.Barrier(PROCESSES),
+    )
+    _assert_exactly_the_limit(server, key_prefix, policy, results, PROCESSES * THREADS * HITS_EACH)
+
+
+def test_forked_children_do_not_reuse_the_parents_log_members(server: RedisServer, key_prefix: str):
+    """Children forked after the parent made calls must not repeat each other's member tokens.
+
+    Two calls with the same token write the same sorted-set members, so the second one would
+    overwrite the first instead of adding to the log, and the limit would be exceeded.
+    """
+    policy = Policy("forked", f"{LIMIT}/minute")
+    per_child = 30
+    with Limiter.from_url(server.url, key_prefix=key_prefix) as limiter:
+        # Advance the parent's token counter, on an identity of its own.
+        for _ in range(5):
+            assert limiter.hit(policy, "parent").allowed
+        results = _run_processes(
+            multiprocessing.get_context("fork"),
+            workers.sequential_hits,
+            PROCESSES,
+            url=server.url,
+            key_prefix=key_prefix,
+            policy_name=policy.name,
+            rates=f"{LIMIT}/minute",
+            identity="shared",
+            hits=per_child,
+        )
+    _assert_exactly_the_limit(server, key_prefix, policy, results, PROCESSES * per_child)
+
+
+@pytest.mark.parametrize("clock", ["store", "frozen"])
+def test_a_thousand_fast_hits_admit_exactly_500(backend: str, key_prefix: str, clock: str):
+    """Many hits in the same millisecond (or, frozen, the same microsecond) all count.
+
+    A log keyed by timestamp would merge hits that share one and admit more than the limit.
+    """
+    options: dict[str, Any] = {"key_prefix": key_prefix}
+    if clock == "frozen":
+        options["clock"] = ManualClock()
+    policy = Policy("burst", "500/minute")
+    with Limiter.from_url(backend, **options) as limiter:
+        decisions = [limiter.hit(policy, "burst") for _ in range(1000)]
+        allowed = [decision.allowed for decision in decisions]
+        assert sum(allowed) == 500
+        assert allowed == [True] * 500 + [False] * 500
+        assert [d.remaining for d in decisions[:500]] == list(range(499, -1, -1))
+        assert all(d.remaining == 0 and d.retry_after is not None for d in decisions[500:])
+        _assert_exhausted(limiter, policy, "burst")
+        if backend != "memory://":
+            assert _zcard(backend, limiter, policy, "burst") == 500
+
+
+def _options(backend: str, key_prefix: str) -> dict[str, Any]:
+    """Limiter options; on a server, a timeout long enough never to fire under load."""
+    options: dict[str, Any] = {"key_prefix": key_prefix}
+    if backend != "memory://":
+        options["timeout"] = 10
+    return options
+
+
+def _hit_in_threads(threads: int, body: Any) -> tuple[int, list[BaseException]]:
+    """Run ``body(index)`` in ``threads`` threads started together; sum what they return."""
+    barrier = threading.Barrier(threads)
+    lock = threading.Lock()
+    total = 0
+    errors: list[BaseException] = []
+
+    def run(index: int) -> None:
+        nonlocal total
+        try:
+            barrier.wait(30)
+            admitted = body(index)
+        except BaseException as exc:
+            with lock:
+                errors.append(exc)
+            return
+        with lock:
+            total += admitted
+
+    pool = [threading.Thread(target=run, args=(i,)) for i in range(threads)]
+    for thread in pool:
+        thread.start()
+    for thread in pool:
+        thread.join()
+    return total, errors
+
+
+def test_cost_weighted_threads_never_exceed_the_limit(backend: str, key_prefix: str):
+    """Threads spending 3 units a hit fill 99 of 100: one more hit of 3 would not fit."""
+    policy = Policy("weighted", f"{LIMIT}/minute")
+    with Limiter.from_url(backend, **_options(backend, key_prefix)) as limiter:
+
+        def body(_: int) -> int:
+            admitted = 0
+            for _ in range(15):
+                if limiter.hit(policy, "w", cost=3).allowed:
+                    admitted += 3
+            return admitted
+
+        total, errors = _hit_in_threads(8, body)
+        assert errors == []
+        assert 98 <= total <= LIMIT
+        assert total == (LIMIT // 3) * 3
+        decision = limiter.peek(policy, "w", cost=3)
+        assert not decision.allowed
+        assert decision.remaining == LIMIT - total
+        assert limiter.peek(policy, "w", cost=1).allowed
+        if backend != "memory://":
+            assert _zcard(backend, limiter, policy, "w") == total
+
+
+def test_mixed_costs_fill_the_limit_exactly(backend: str, key_prefix: str):
+    """Threads with random costs keep going until a hit of cost 1 is denied: the window is
+    then exactly full, so the admitted costs add up to the limit, not one unit more or less."""
+    policy = Policy("mixed", f"{LIMIT}/minute")
+    with Limiter.from_url(backend, **_options(backend, key_prefix)) as limiter:
+
+        def body(index: int) -> int:
+            rng = random.Random(index)
+            admitted = 0
+            for _ in range(1000):
+                cost = rng.choice((1, 2, 3, 5, 7))
+                decision = limiter.hit(policy, "m", cost=cost)
+                if decision.allowed:
+                    admitted += cost
+                elif cost == 1:
+                    return admitted
+            raise AssertionError("a hit of cost 1 was never denied")
+
+        total, errors = _hit_in_threads(8, body)
+        assert errors == []
+        assert total == LIMIT
+        _assert_exhausted(limiter, policy, "m")
+        if backend != "memory://":
+            assert _zcard(backend, limiter, policy, "m") == LIMIT
+
+
+def test_large_costs_are_counted_unit_by_unit(backend: str, key_prefix: str):
+    """Costs above the script's ZADD batch size (200 members) are written in full."""
+    policy = Policy("large", "1000/minute")
+    with Limiter.from_url(backend, **_options(backend, key_prefix)) as limiter:
+        assert limiter.hit(policy, "l", cost=450).remaining == 550
+        assert limiter.hit(policy, "l", cost=401).remaining == 149
+        denied = limiter.hit(policy, "l", cost=150)
+        assert not denied.allowed
+        assert denied.remaining == 149
+        assert limiter.hit(policy, "l", cost=149).remaining == 0
+        _assert_exhausted(limiter, policy, "l")
+        if backend != "memory://":
+            assert _zcard(backend, limiter, policy, "l") == 1000
+
+
+def test_multi_rate_threads_admit_exactly_the_tightest_limit(backend: str, key_prefix: str):
+    """With two rates, the tighter one caps the total, exactly, under contention."""
+    policy = Policy("multi", "30/minute;100/hour")
+    with Limiter.from_url(backend, **_options(backend, key_prefix)) as limiter:
+
+        def body(_: int) -> int:
+            return sum(limiter.hit(policy, "mr").allowed for _ in range(10))
+
+        total, errors = _hit_in_threads(8, body)
+        assert errors == []
+        assert total == 30
+        decision = limiter.peek(policy, "mr")
+        assert not decision.allowed
+        assert decision.limit == 30
+        if backend != "memory://":
+            assert _zcard(backend, limiter, policy, "mr") == 30

@@ -1,0 +1,435 @@
+"""Recovery from a cold script cache, a restarted or dead server, and a frozen one.
+
+These tests flush, kill, restart and SIGSTOP servers, so they run on private servers started
+for this module (one per flavor), never on the shared session servers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import redis
+
+from ratekeeper import (
+    AsyncLimiter,
+    Decision,
+    Limiter,
+    Policy,
+    StorageError,
+    StorageTimeout,
+    StorageUnavailable,
+)
+from ratekeeper._algorithms import get_algorithm
+from ratekeeper._scripts import load_script
+
+from .private_servers import private_servers
+from .servers import RedisServer, find_binaries
+
+FLAVORS = [binary.flavor for binary in find_binaries()]
+
+#: Short deadlines so that failures surface quickly.
+FAST = {"timeout": 0.2, "connect_timeout": 0.2}
+#: Generous reply timeout for steps that must succeed even on a loaded machine.
+PATIENT = {"timeout": 5, "connect_timeout": 5}
+
+
+@pytest.fixture(scope="module")
+def servers_to_break() -> Iterator[dict[str, RedisServer]]:
+    """One private server per flavor for this module; tests may break them."""
+    with private_servers() as started:
+        yield started
+
+
+def _running(server: RedisServer) -> bool:
+    return server.proc is not None and server.proc.poll() is None
+
+
+@pytest.fixture(params=FLAVORS)
+def private(
+    request: pytest.FixtureRequest, servers_to_break: dict[str, RedisServer]
+) -> Iterator[RedisServer]:
+    """A private server, running at the start of the test and again after it."""
+    server = servers_to_break[request.param]
+    if not _running(server):
+        server.start()
+    yield server
+    if server.proc is not None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(server.proc.pid, signal.SIGCONT)
+    if not _running(server):
+        server.start()
+
+
+@contextlib.contextmanager
+def _admin(server: RedisServer) -> Iterator[redis.Redis]:
+    client = server.client()
+    try:
+        yield client
+    finally:
+        client.close()
+
+
+def _sha(policy: Policy) -> str:
+    return load_script(get_algorithm(policy.algorithm).script).sha
+
+
+def _calls(client: redis.Redis, command: str) -> int:
+    """How many times ``command`` ran (``INFO commandstats``; 0 if never)."""
+    stats: dict[str, Any] = client.info("commandstats")
+    return int(stats.get(f"cmdstat_{command}", {}).get("calls", 0))
+
+
+def _script_loaded(client: redis.Redis, policy: Policy) -> bool:
+    return bool(client.script_exists(_sha(policy))[0])
+
+
+# --- SCRIPT FLUSH --------------------------------------------------------------------------------
+
+
+def test_script_flush_between_hits_sync(private: RedisServer, key_prefix: str):
+    policy = Policy("flush", "5/minute")
+    with (
+        _admin(private) as admin,
+        Limiter.from_url(private.url, key_prefix=key_prefix, **PATIENT) as limiter,
+    ):
+        assert [limiter.hit(policy, "a").remaining for _ in range(2)] == [4, 3]
+        loads = _calls(admin, "script|load")
+        admin.script_flush()
+        assert not _script_loaded(admin, policy)
+
+        decision = limiter.hit(policy, "a")
+        assert decision.allowed
+        assert decision.remaining == 2  # the flush dropped the script, not the log
+        assert _script_loaded(admin, policy)
+        assert _calls(admin, "script|load") == loads + 1
+        assert [limiter.hit(policy, "a").allowed for _ in range(3)] == [True, True, False]
+        (key,) = limiter.keys(policy, "a")
+        assert admin.zcard(key) == 5
+
+
+def test_script_flush_between_hits_async(private: RedisServer, key_prefix: str):
+    policy = Policy("flush", "5/minute")
+
+    async def main(admin: redis.Redis) -> None:
+        limiter = AsyncLimiter.from_url(private.url, key_prefix=key_prefix, **PATIENT)
+        try:
+            assert [(await limiter.hit(policy, "a")).remaining for _ in range(2)] == [4, 3]
+            loads = _calls(admin, "script|load")
+            admin.script_flush()
+            assert not _script_loaded(admin, policy)
+
+            decision = await limiter.hit(policy, "a")
+            assert decision.allowed
+            assert decision.remaining == 2
+            assert _script_loaded(admin, policy)
+            assert _calls(admin, "script|load") == loads + 1
+            assert [(await limiter.hit(policy, "a")).allowed for _ in range(3)] == [
+                True,
+                True,
+                False,
+            ]
+            (key,) = limiter.keys(policy, "a")
+            assert admin.zcard(key) == 5
+        finally:
+            await limiter.close()
+
+    with _admin(private) as admin:
+        asyncio.run(main(admin))
+
+
+def test_script_flush_before_a_peek_reloads_too(private: RedisServer, key_prefix: str):
+    policy = Policy("flush-peek", "5/minute")
+    with (
+        _admin(private) as admin,
+        Limiter.from_url(private.url, key_prefix=key_prefix, **PATIENT) as limiter,
+    ):
+        assert limiter.hit(policy, "a").allowed
+        admin.script_flush()
+        decision = limiter.peek(policy, "a")
+        assert decision.allowed
+        assert decision.remaining == 4
+        assert _script_loaded(admin, policy)
+
+
+# --- restart -------------------------------------------------------------------------------------
+
+
+def test_restart_between_hits_sync(private: RedisServer, key_prefix: str):
+    policy = Policy("restart", "5/minute")
+    with Limiter.from_url(private.url, key_prefix=key_prefix, **PATIENT) as limiter:
+        assert [limiter.hit(policy, "a").remaining for _ in range(2)] == [4, 3]
+        private.restart()  # kill -9, then an empty server with a cold script cache
+
+        decision = limiter.hit(policy, "a")
+        assert isinstance(decision, Decision)
+        assert decision.allowed
+        assert decision.remaining == 4  # the new server starts empty
+        with _admin(private) as admin:
+            assert _script_loaded(admin, policy)
+            assert _calls(admin, "script|load") == 1
+            assert _calls(admin, "evalsha") >= 1
+        assert [limiter.hit(policy, "a").allowed for _ in range(5)] == [True] * 4 + [False]
+
+
+def test_restart_between_hits_async(private: RedisServer, key_prefix: str):
+    policy = Policy("restart", "5/minute")
+
+    async def main() -> None:
+        limiter = AsyncLimiter.from_url(private.url, key_prefix=key_prefix, **PATIENT)
+        try:
+            assert [(await limiter.hit(policy, "a")).remaining for _ in range(2)] == [4, 3]
+            private.restart()
+
+            decision = await limiter.hit(policy, "a")
+            assert isinstance(decision, Decision)
+            assert decision.allowed
+            assert decision.remaining == 4
+            with _admin(private) as admin:
+                assert _script_loaded(admin, policy)
+                assert _calls(admin, "script|load") == 1
+                assert _calls(admin, "evalsha") >= 1
+            allowed = [(await limiter.hit(policy, "a")).allowed for _ in range(5)]
+            assert allowed == [True] * 4 + [False]
+        finally:
+            await limiter.close()
+
+    asyncio.run(main())
+
+
+def test_restart_with_several_pooled_connections_sync(private: RedisServer, key_prefix: str):
+    """Every stale pooled connection is replaced, not only the first one used."""
+    policy = Policy("restart-pool", "100/minute")
+    with Limiter.from_url(private.url, key_prefix=key_prefix, **PATIENT) as limiter:
+        client = limiter.storage.client  # type: ignore[attr-defined]
+        pool = client.connection_pool
+        held = [pool.get_connection() for _ in range(4)]
+        for connection in held:
+            connection.send_command("PING")
+            assert connection.read_response() in (b"PONG", "PONG")
+            pool.release(connection)
+        private.restart()
+        decisions = [limiter.hit(policy, "a") for _ in range(8)]
+        assert [d.remaining for d in decisions] == list(range(99, 91, -1))
+
+
+def test_restart_with_several_pooled_connections_async(private: RedisServer, key_prefix: str):
+    policy = Policy("restart-pool", "100/minute")
+
+    async def main() -> None:
+        limiter = AsyncLimiter.from_url(private.url, key_prefix=key_prefix, **PATIENT)
+        try:
+            # Concurrent peeks leave several open connections in the pool.
+            await asyncio.gather(*(limiter.peek(policy, "a") for _ in range(4)))
+            private.restart()
+            decisions = await asyncio.gather(*(limiter.hit(policy, "a") for _ in range(8)))
+            assert all(d.allowed for d in decisions)
+            assert sorted(d.remaining for d in decisions) == list(range(92, 100))
+        finally:
+            await limiter.close()
+
+    asyncio.run(main())
+
+
+# --- server down ---------------------------------------------------------------------------------
+
+
+def _assert_unavailable(excinfo: pytest.ExceptionInfo[StorageUnavailable], elapsed: float) -> None:
+    exc = excinfo.value
+    assert isinstance(exc, StorageError)
+    assert not isinstance(exc, redis.RedisError)  # translated, not leaked
+    assert isinstance(exc.__cause__, redis.RedisError)
+    assert elapsed < 2.0
+
+
+def test_server_down_raises_storage_unavailable_sync(private: RedisServer, key_prefix: str):
+    policy = Policy("down", "5/minute")
+    warm = Limiter.from_url(private.url, key_prefix=key_prefix, **FAST)
+    try:
+        assert warm.hit(policy, "a").allowed  # a pooled connection to the soon-dead server
+        private.kill()
+        cold = Limiter.from_url(private.url, key_prefix=key_prefix, **FAST)
+        try:
+            for limiter in (warm, cold):
+                for call in (limiter.hit, limiter.peek, limiter.reset):
+                    started = time.monotonic()
+                    with pytest.raises(StorageUnavailable) as excinfo:
+                        call(policy, "a")
+                    _assert_unavailable(excinfo, time.monotonic() - started)
+        finally:
+            cold.close()
+        private.start()
+        decision = warm.hit(policy, "a")  # the same limiter works once the server is back
+        assert decision.allowed
+        assert decision.remaining == 4
+    finally:
+        warm.close()
+
+
+def test_server_down_raises_storage_unavailable_async(private: RedisServer, key_prefix: str):
+    policy = Policy("down", "5/minute")
+
+    async def main() -> None:
+        warm = AsyncLimiter.from_url(private.url, key_prefix=key_prefix, **FAST)
+        try:
+            assert (await warm.hit(policy, "a")).allowed
+            private.kill()
+            cold = AsyncLimiter.from_url(private.url, key_prefix=key_prefix, **FAST)
+            try:
+                for limiter in (warm, cold):
+                    for call in (limiter.hit, limiter.peek, limiter.reset):
+                        started = time.monotonic()
+                        with pytest.raises(StorageUnavailable) as excinfo:
+                            await call(policy, "a")
+                        _assert_unavailable(excinfo, time.monotonic() - started)
+            finally:
+                await cold.close()
+            private.start()
+            decision = await warm.hit(policy, "a")
+            assert decision.allowed
+            assert decision.remaining == 4
+        finally:
+            await warm.close()
+
+    asyncio.run(main())
+
+
+# --- a frozen server: timeouts are not retried ---------------------------------------------------
+
+
+@contextlib.contextmanager
+def _frozen(server: RedisServer) -> Iterator[None]:
+    """SIGSTOP the server for the block; SIGCONT it whatever happens."""
+    assert server.proc is not None
+    os.kill(server.proc.pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.kill(server.proc.pid, signal.SIGCONT)
+
+
+def _stats(admin: redis.Redis) -> tuple[int, int]:
+    """(EVALSHA calls, connections ever accepted)."""
+    return _calls(admin, "evalsha"), int(admin.info("stats")["total_connections_received"])
+
+
+def _assert_ran_once(admin: redis.Redis, before: tuple[int, int]) -> None:
+    """The timed-out EVALSHA, still queued in the thawed server's socket, runs exactly once.
+
+    A retry would have sent a second EVALSHA (on a new connection, as redis-py reconnects
+    before retrying), so it would show as a second call or at least a new connection.
+    """
+    deadline = time.monotonic() + 10
+    while _stats(admin)[0] < before[0] + 1 and time.monotonic() < deadline:
+        time.sleep(0.01)  # polling the server's counters, not synchronising threads
+    for _ in range(3):  # let the server drain anything else that was queued
+        admin.ping()
+    evalsha, connections = _stats(admin)
+    assert evalsha == before[0] + 1
+    assert connections == before[1]
+
+
+def test_timeout_is_not_retried_sync(private: RedisServer, key_prefix: str):
+    policy = Policy("frozen", "5/minute")
+    with (
+        _admin(private) as admin,
+        Limiter.from_url(private.url, key_prefix=key_prefix, **FAST) as limiter,
+    ):
+        assert limiter.hit(policy, "a").allowed  # warm: connection open, script loaded
+        before = _stats(admin)
+        with _frozen(private):
+            started = time.monotonic()
+            with pytest.raises(StorageTimeout) as excinfo:
+                limiter.hit(policy, "a")
+            elapsed = time.monotonic() - started
+        assert elapsed < 1.0
+        assert isinstance(excinfo.value.__cause__, redis.TimeoutError)
+        _assert_ran_once(admin, before)
+        # The call ran after all: the log holds both hits, and the limiter still works.
+        (key,) = limiter.keys(policy, "a")
+        assert admin.zcard(key) == 2
+        assert limiter.hit(policy, "a").remaining == 2
+
+
+def test_timeout_is_not_retried_async(private: RedisServer, key_prefix: str):
+    policy = Policy("frozen", "5/minute")
+
+    async def main(admin: redis.Redis) -> None:
+        limiter = AsyncLimiter.from_url(private.url, key_prefix=key_prefix, **FAST)
+        try:
+            assert (await limiter.hit(policy, "a")).allowed
+            before = _stats(admin)
+            with _frozen(private):
+                started = time.monotonic()
+                with pytest.raises(StorageTimeout) as excinfo:
+                    await limiter.hit(policy, "a")
+                elapsed = time.monotonic() - started
+            assert elapsed < 1.0
+            assert isinstance(excinfo.value.__cause__, redis.TimeoutError)
+            _assert_ran_once(admin, before)
+            (key,) = limiter.keys(policy, "a")
+            assert admin.zcard(key) == 2
+            assert (await limiter.hit(policy, "a")).remaining == 2
+        finally:
+            await limiter.close()
+
+    with _admin(private) as admin:
+        asyncio.run(main(admin))
+
+
+def test_a_frozen_server_times_out_a_new_connection_too(private: RedisServer, key_prefix: str):
+    """A fresh limiter against a frozen server: the TCP connect succeeds (the kernel accepts
+    it), the handshake gets no answer, and the caller gets StorageTimeout, promptly."""
+    policy = Policy("frozen-new", "5/minute")
+
+    async def hit_async() -> None:
+        limiter = AsyncLimiter.from_url(private.url, key_prefix=key_prefix, **FAST)
+        try:
+            await limiter.hit(policy, "a")
+        finally:
+            await limiter.close()
+
+    with _frozen(private):
+        started = time.monotonic()
+        with (
+            Limiter.from_url(private.url, key_prefix=key_prefix, **FAST) as limiter,
+            pytest.raises(StorageTimeout),
+        ):
+            limiter.hit(policy, "a")
+        assert time.monotonic() - started < 1.0
+        started = time.monotonic()
+        with pytest.raises(StorageTimeout):
+            asyncio.run(hit_async())
+        assert time.monotonic() - started < 1.0
+
+
+def test_a_cancelled_async_hit_leaves_no_stale_reply(private: RedisServer, key_prefix: str):
+    """A hit cancelled while waiting for its reply must not leave that reply on a pooled
+    connection, where the next call would read it as its own answer."""
+    policy = Policy("cancelled", "5/minute")
+
+    async def main() -> None:
+        limiter = AsyncLimiter.from_url(private.url, key_prefix=key_prefix, **PATIENT)
+        try:
+            assert (await limiter.hit(policy, "a")).remaining == 4
+            with _frozen(private), pytest.raises(asyncio.TimeoutError):
+                await asyncio.wait_for(limiter.hit(policy, "a"), 0.1)
+            # A different identity: its fresh log must not get identity a's late reply.
+            other = await limiter.hit(policy, "b")
+            assert other.allowed
+            assert other.remaining == 4
+            # The cancelled hit may or may not have run; either way the count is consistent.
+            again = await limiter.hit(policy, "a")
+            (key,) = limiter.keys(policy, "a")
+            with _admin(private) as admin:
+                assert again.remaining == 5 - admin.zcard(key)
+        finally:
+            await limiter.close()
+
+    asyncio.run(main())
