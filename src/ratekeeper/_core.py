@@ -65,6 +65,11 @@ def _check_cost(cost: int) -> int:
     return cost
 
 
+def _check_policy(policy: Policy) -> None:
+    if not isinstance(policy, Policy):
+        raise ConfigError(f"policy must be a Policy, got {type(policy).__name__}")
+
+
 class Core:
     """Builds calls and reads replies. Holds no I/O and no mutable state but a token counter."""
 
@@ -104,6 +109,7 @@ class Core:
 
     def hit(self, policy: Policy, identity: Identity, cost: int) -> Call:
         """The call that consumes ``cost`` for ``identity`` if every rate admits it."""
+        _check_policy(policy)
         if policy.algorithm == "concurrency":
             raise ConfigError(
                 f"policy {policy.name!r} hands out leases: use acquire(), which returns a lease "
@@ -113,10 +119,12 @@ class Core:
 
     def peek(self, policy: Policy, identity: Identity, cost: int) -> Call:
         """The call that tells whether ``cost`` would be admitted, consuming nothing."""
+        _check_policy(policy)
         return self._call(policy, identity, cost, PEEK, "")
 
     def acquire(self, policy: Policy, identity: Identity, cost: int) -> Call:
         """The call that takes a lease of ``cost`` units under a concurrency policy."""
+        _check_policy(policy)
         if policy.algorithm != "concurrency":
             raise ConfigError(
                 f"acquire() takes a concurrency policy; {policy.name!r} uses "
@@ -130,8 +138,7 @@ class Core:
 
     def reset_keys(self, policy: Policy, identity: Identity) -> tuple[str, ...]:
         """The keys that ``reset`` deletes."""
-        if not isinstance(policy, Policy):
-            raise ConfigError(f"policy must be a Policy, got {type(policy).__name__}")
+        _check_policy(policy)
         return self.keys.keys(policy.name, identity, get_algorithm(policy.algorithm).suffixes)
 
     @staticmethod

@@ -38,7 +38,10 @@ def identity_bytes(identity: Identity) -> bytes:
     if isinstance(identity, bytes):
         return identity
     if isinstance(identity, int) and not isinstance(identity, bool):
-        return str(identity).encode("ascii")
+        try:
+            return str(identity).encode("ascii")
+        except ValueError:  # more digits than sys.get_int_max_str_digits()
+            raise ConfigError("an int identity this large cannot be used; pass a str") from None
     raise ConfigError(f"identity must be str, bytes or int, got {type(identity).__name__}")
 
 
