@@ -37,6 +37,7 @@ class Call:
     policy: Policy
     token: str
     cost: int
+    mode: int
 
 
 class _Tokens:
@@ -105,7 +106,22 @@ class Core:
             rates=[(rate.limit, rate.period_us) for rate in policy.rates],
             extra=algorithm.extra_args(policy),
         )
-        return Call(load_script(algorithm.script), keys, args, policy, token, cost)
+        return Call(load_script(algorithm.script), keys, args, policy, token, cost, mode)
+
+    def rebind(self, call: Call, policy: Policy) -> Call:
+        """``call`` for another policy of the same name and algorithm (the local fallback's
+        scaled copy): same keys, token, cost and mode, new rates."""
+        algorithm = get_algorithm(policy.algorithm)
+        args = encode_args(
+            self._now(),
+            cost=call.cost,
+            mode=call.mode,
+            token=call.token,
+            margin_ms=TTL_MARGIN_MS,
+            rates=[(rate.limit, rate.period_us) for rate in policy.rates],
+            extra=algorithm.extra_args(policy),
+        )
+        return Call(call.script, call.keys, args, policy, call.token, call.cost, call.mode)
 
     def hit(self, policy: Policy, identity: Identity, cost: int) -> Call:
         """The call that consumes ``cost`` for ``identity`` if every rate admits it."""

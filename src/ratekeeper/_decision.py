@@ -25,6 +25,12 @@ class Decision:
             allowed, ``math.inf`` when the cost exceeds a limit and can never pass.
         policy: the policy's name.
         rate: the constraining rate.
+        degraded: the store could not decide and the failure mode did (see ``reason``).
+        reason: why the store was not asked: ``None`` when it decided; ``"deny_cache"`` when a
+            recent exact denial answered locally (not degraded); for degraded decisions the
+            failure, ``"breaker_open"``, ``"timeout"``, ``"unavailable"`` or ``"store_error"``,
+            and the mode that decided: ``"open"``, ``"closed"`` or ``"local"``, as
+            ``"timeout/open"``.
     """
 
     allowed: bool
@@ -34,3 +40,5 @@ class Decision:
     retry_after: float | None
     policy: str
     rate: Rate
+    degraded: bool = False
+    reason: str | None = None

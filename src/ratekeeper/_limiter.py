@@ -1,7 +1,8 @@
 """``Limiter`` (blocking) and ``AsyncLimiter`` (asyncio): thin drivers over the shared core.
 
-Everything but I/O (key building, argument encoding, reading the reply) lives in ``_core``; the
-two classes below only pass a call to their storage and its reply back to the core.
+Everything but I/O lives in ``_core`` (key building, argument encoding, reading the reply) and
+``_guard`` (breaker, failure modes, deny cache, metrics); the two classes below only pass a call
+to their storage and its reply or error back.
 """
 
 from __future__ import annotations
@@ -9,18 +10,68 @@ from __future__ import annotations
 from types import TracebackType
 from typing import Any
 
+from ._breaker import CircuitBreaker
 from ._clock import Clock
 from ._core import Call, Core
 from ._decision import Decision
+from ._errors import StorageError
+from ._guard import DEFAULT_DENY_CACHE_SIZE, Guard
 from ._keys import DEFAULT_KEY_PREFIX, Identity
 from ._lease import Acquiring, AsyncLease, Lease
 from ._policy import Policy
 from ._storage import AsyncStorage, SyncStorage, open_async, open_sync
+from .metrics import Metrics
 
 __all__ = ["AsyncLimiter", "Limiter"]
 
 
-class Limiter:
+class _Base:
+    """What both limiters hold: the core, the guard, and the options that configure them."""
+
+    def __init__(
+        self,
+        *,
+        key_prefix: str = DEFAULT_KEY_PREFIX,
+        clock: Clock | None = None,
+        failure_mode: str = "open",
+        local_share: float = 1.0,
+        breaker: CircuitBreaker | None = None,
+        deny_cache: int = DEFAULT_DENY_CACHE_SIZE,
+        metrics: Metrics | None = None,
+    ) -> None:
+        self._core = Core(key_prefix=key_prefix, clock=clock)
+        self._guard = Guard(
+            self._core,
+            failure_mode=failure_mode,
+            local_share=local_share,
+            breaker=breaker,
+            deny_cache=deny_cache,
+            metrics=metrics,
+            clock=clock,
+        )
+
+    @property
+    def breaker(self) -> CircuitBreaker:
+        """The circuit breaker in front of the store (``breaker.state``)."""
+        return self._guard.breaker
+
+    def keys(self, policy: Policy, identity: Identity) -> tuple[str, ...]:
+        """The store keys that hold ``identity``'s state under ``policy`` (for debugging)."""
+        return self._core.reset_keys(policy, identity)
+
+
+_LIMITER_OPTIONS = frozenset(
+    {"key_prefix", "clock", "failure_mode", "local_share", "breaker", "deny_cache", "metrics"}
+)
+
+
+def _split(options: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(limiter options, storage options)."""
+    mine = {k: v for k, v in options.items() if k in _LIMITER_OPTIONS}
+    return mine, {k: v for k, v in options.items() if k not in _LIMITER_OPTIONS}
+
+
+class Limiter(_Base):
     """Decides whether an identity may spend ``cost`` under a policy, blocking.
 
     >>> limiter = Limiter.from_url("memory://")
@@ -29,36 +80,48 @@ class Limiter:
     [True, True, False]
     """
 
-    def __init__(
-        self,
-        storage: SyncStorage,
-        *,
-        key_prefix: str = DEFAULT_KEY_PREFIX,
-        clock: Clock | None = None,
-    ) -> None:
-        self._core = Core(key_prefix=key_prefix, clock=clock)
+    def __init__(self, storage: SyncStorage, **options: Any) -> None:
+        super().__init__(**options)
         self.storage = storage
 
     @classmethod
-    def from_url(
-        cls,
-        url: str = "memory://",
-        *,
-        key_prefix: str = DEFAULT_KEY_PREFIX,
-        clock: Clock | None = None,
-        **options: Any,
-    ) -> Limiter:
+    def from_url(cls, url: str = "memory://", **options: Any) -> Limiter:
         """A limiter on ``memory://``, ``redis://``, ``rediss://`` or ``unix://``.
 
-        ``clock`` switches from the store's clock to client time (a callable returning epoch
-        seconds). Redis URLs take ``timeout``, ``connect_timeout``, ``max_connections`` and
-        ``redis_options`` (a dict passed to redis-py).
+        Options, all keyword-only:
+
+        * ``key_prefix``: the first part of every key (default ``"ratekeeper"``).
+        * ``clock``: client time instead of the store's (a callable returning epoch seconds).
+        * ``failure_mode``: what decides when the store cannot: ``"open"`` (allow, the
+          default), ``"closed"`` (deny), ``"local"`` (an in-process limiter at ``local_share``
+          of each limit) or ``"raise"`` (the StorageError reaches the caller). A policy's own
+          ``failure_mode`` overrides it.
+        * ``local_share``: the share of each limit a process may grant in ``local`` mode, e.g.
+          ``1 / number_of_instances`` (default 1.0).
+        * ``breaker``: a configured :class:`CircuitBreaker` (default: one with its defaults).
+        * ``deny_cache``: entries in the local cache of exact denials (default 10,000; 0 = off).
+        * ``metrics``: a :class:`ratekeeper.metrics.Metrics` hook.
+        * Redis URLs also take ``timeout`` (seconds per call, default 0.02),
+          ``connect_timeout`` (default 0.02), ``max_connections`` and ``redis_options`` (a
+          dict passed to redis-py).
         """
-        core = Core(key_prefix=key_prefix, clock=clock)  # validate before connecting
-        return cls(open_sync(url, clock=clock, **options), key_prefix=core.keys.prefix, clock=clock)
+        mine, storage_options = _split(options)
+        limiter = cls.__new__(cls)
+        _Base.__init__(limiter, **mine)  # validate before connecting
+        limiter.storage = open_sync(url, clock=mine.get("clock"), **storage_options)
+        return limiter
 
     def _run(self, call: Call) -> Decision:
-        return self._core.decide(call, self.storage.run(call.script, call.keys, call.args))
+        guard = self._guard
+        early = guard.before(call)
+        if early is not None:
+            return early
+        started = guard.started()
+        try:
+            reply = self.storage.run(call.script, call.keys, call.args)
+        except StorageError as exc:
+            return guard.failed(call, exc, started)
+        return guard.succeeded(call, reply, started)
 
     def hit(self, policy: Policy, identity: Identity, cost: int = 1) -> Decision:
         """Consume ``cost`` if every rate of ``policy`` admits it; otherwise change nothing."""
@@ -80,12 +143,11 @@ class Limiter:
         )
 
     def reset(self, policy: Policy, identity: Identity) -> None:
-        """Forget everything ``identity`` has consumed under ``policy``."""
-        self.storage.delete(self._core.reset_keys(policy, identity))
-
-    def keys(self, policy: Policy, identity: Identity) -> tuple[str, ...]:
-        """The store keys that hold ``identity``'s state under ``policy`` (for debugging)."""
-        return self._core.reset_keys(policy, identity)
+        """Forget everything ``identity`` has consumed under ``policy``. Raises StorageError
+        if the store cannot be reached: a reset is never silently skipped."""
+        keys = self._core.reset_keys(policy, identity)
+        self._guard.forget(keys)
+        self.storage.delete(keys)
 
     def close(self) -> None:
         """Release the storage's connections."""
@@ -103,39 +165,36 @@ class Limiter:
         self.close()
 
 
-class AsyncLimiter:
+class AsyncLimiter(_Base):
     """Decides whether an identity may spend ``cost`` under a policy, on asyncio.
 
-    The same methods as :class:`Limiter`, as coroutines.
+    The same methods and options as :class:`Limiter`, as coroutines.
     """
 
-    def __init__(
-        self,
-        storage: AsyncStorage,
-        *,
-        key_prefix: str = DEFAULT_KEY_PREFIX,
-        clock: Clock | None = None,
-    ) -> None:
-        self._core = Core(key_prefix=key_prefix, clock=clock)
+    def __init__(self, storage: AsyncStorage, **options: Any) -> None:
+        super().__init__(**options)
         self.storage = storage
 
     @classmethod
-    def from_url(
-        cls,
-        url: str = "memory://",
-        *,
-        key_prefix: str = DEFAULT_KEY_PREFIX,
-        clock: Clock | None = None,
-        **options: Any,
-    ) -> AsyncLimiter:
+    def from_url(cls, url: str = "memory://", **options: Any) -> AsyncLimiter:
         """An asyncio limiter; the URLs and options are those of :meth:`Limiter.from_url`."""
-        core = Core(key_prefix=key_prefix, clock=clock)
-        return cls(
-            open_async(url, clock=clock, **options), key_prefix=core.keys.prefix, clock=clock
-        )
+        mine, storage_options = _split(options)
+        limiter = cls.__new__(cls)
+        _Base.__init__(limiter, **mine)
+        limiter.storage = open_async(url, clock=mine.get("clock"), **storage_options)
+        return limiter
 
     async def _run(self, call: Call) -> Decision:
-        return self._core.decide(call, await self.storage.run(call.script, call.keys, call.args))
+        guard = self._guard
+        early = guard.before(call)
+        if early is not None:
+            return early
+        started = guard.started()
+        try:
+            reply = await self.storage.run(call.script, call.keys, call.args)
+        except StorageError as exc:
+            return guard.failed(call, exc, started)
+        return guard.succeeded(call, reply, started)
 
     async def hit(self, policy: Policy, identity: Identity, cost: int = 1) -> Decision:
         """Consume ``cost`` if every rate of ``policy`` admits it; otherwise change nothing."""
@@ -159,12 +218,11 @@ class AsyncLimiter:
         return Acquiring(take)
 
     async def reset(self, policy: Policy, identity: Identity) -> None:
-        """Forget everything ``identity`` has consumed under ``policy``."""
-        await self.storage.delete(self._core.reset_keys(policy, identity))
-
-    def keys(self, policy: Policy, identity: Identity) -> tuple[str, ...]:
-        """The store keys that hold ``identity``'s state under ``policy`` (for debugging)."""
-        return self._core.reset_keys(policy, identity)
+        """Forget everything ``identity`` has consumed under ``policy``. Raises StorageError
+        if the store cannot be reached: a reset is never silently skipped."""
+        keys = self._core.reset_keys(policy, identity)
+        self._guard.forget(keys)
+        await self.storage.delete(keys)
 
     async def close(self) -> None:
         """Release the storage's connections."""

@@ -10,7 +10,11 @@ from ._algorithms import get_algorithm
 from ._errors import ConfigError
 from ._rates import MAX_INT, Rate, parse_rates
 
-__all__ = ["DEFAULT_MAX_LOG_ENTRIES", "Policy"]
+__all__ = ["DEFAULT_MAX_LOG_ENTRIES", "FAILURE_MODES", "Policy"]
+
+#: What a limiter does when the store cannot decide: allow, deny, decide with an in-process
+#: limiter at a share of the limit, or raise the StorageError to the caller.
+FAILURE_MODES = ("open", "closed", "local", "raise")
 
 #: Default cap on the entries one sliding-log identity may keep (its largest limit).
 DEFAULT_MAX_LOG_ENTRIES = 10_000
@@ -34,6 +38,10 @@ class Policy:
     O(1)), ``gcra`` or its alias ``token_bucket`` (exact rate with ``burst``, O(1)) and
     ``concurrency`` (leases: one rate whose limit is the units held at once and whose period is
     the lease timeout; use ``Limiter.acquire``).
+
+    ``failure_mode`` overrides the limiter's for this policy: ``"open"`` (allow), ``"closed"``
+    (deny), ``"local"`` (an in-process limiter at the limiter's ``local_share`` of each limit) or
+    ``"raise"`` (the StorageError reaches the caller).
     """
 
     name: str
@@ -41,6 +49,7 @@ class Policy:
     algorithm: str
     max_log_entries: int
     burst: int | None
+    failure_mode: str | None
 
     def __init__(
         self,
@@ -49,6 +58,7 @@ class Policy:
         algorithm: str = "sliding_log",
         *,
         burst: int | None = None,
+        failure_mode: str | None = None,
         max_log_entries: int = DEFAULT_MAX_LOG_ENTRIES,
     ) -> None:
         if not isinstance(name, str) or _NAME.fullmatch(name) is None:
@@ -70,11 +80,17 @@ class Policy:
                 raise ConfigError(
                     f"burst applies to the gcra and token_bucket algorithms, not {algorithm!r}"
                 )
+        if failure_mode is not None and failure_mode not in FAILURE_MODES:
+            raise ConfigError(
+                f"failure_mode {failure_mode!r} is unknown: choose one of "
+                f"{', '.join(FAILURE_MODES)} (or None for the limiter's default)"
+            )
         object.__setattr__(self, "name", name)
         object.__setattr__(self, "rates", parse_rates(rates))
         object.__setattr__(self, "algorithm", algorithm)
         object.__setattr__(self, "max_log_entries", max_log_entries)
         object.__setattr__(self, "burst", burst)
+        object.__setattr__(self, "failure_mode", failure_mode)
         algo.validate(self)
 
     @property

@@ -12,6 +12,7 @@ from typing import Any
 
 from .._errors import (
     ConfigError,
+    RequestRejected,
     StorageError,
     StorageResponseError,
     StorageTimeout,
@@ -24,7 +25,7 @@ try:
     import redis.asyncio
     import redis.asyncio.retry
     from redis.backoff import NoBackoff
-    from redis.exceptions import NoScriptError
+    from redis.exceptions import NoScriptError, OutOfMemoryError
     from redis.retry import Retry
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
     raise ConfigError(
@@ -33,9 +34,10 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
 
 __all__ = ["AsyncRedisStorage", "RedisStorage", "client_options"]
 
-#: Default seconds to wait for a reply and for a connection.
-DEFAULT_TIMEOUT = 0.5
-DEFAULT_CONNECT_TIMEOUT = 1.0
+#: Default seconds to wait for a reply, and for a new connection: a limiter answers fast or not
+#: at all, and the failure mode decides then. Raise both for a distant or TLS store.
+DEFAULT_TIMEOUT = 0.020
+DEFAULT_CONNECT_TIMEOUT = 0.020
 
 _OWN_OPTIONS = frozenset({"timeout", "connect_timeout", "max_connections", "redis_options"})
 
@@ -67,14 +69,33 @@ def client_options(options: dict[str, Any]) -> dict[str, Any]:
     return kwargs
 
 
-def _translate(exc: redis.RedisError) -> StorageError:
+#: Error replies about the store's state (it is full, read-only, loading, busy, resharding):
+#: the failure mode applies. Any other error reply is about the request and is raised.
+_STORE_STATE_ERRORS = (
+    "OOM",
+    "READONLY",
+    "LOADING",
+    "BUSY",
+    "MASTERDOWN",
+    "CLUSTERDOWN",
+    "TRYAGAIN",
+    "MOVED",
+    "ASK",
+    "NOREPLICAS",
+    "NOSCRIPT",
+)
+
+
+def _translate(exc: redis.RedisError) -> StorageError | RequestRejected:
     """Map a redis-py error to ratekeeper's tree; the caller raises it ``from exc``."""
     if isinstance(exc, redis.TimeoutError):
         return StorageTimeout(f"the store did not answer in time: {exc}")
     if isinstance(exc, redis.ConnectionError):
         return StorageUnavailable(f"cannot reach the store: {exc}")
     if isinstance(exc, redis.ResponseError):
-        return StorageResponseError(f"the store refused the command: {exc}")
+        if isinstance(exc, OutOfMemoryError) or str(exc).startswith(_STORE_STATE_ERRORS):
+            return StorageResponseError(f"the store cannot serve the command: {exc}")
+        return RequestRejected(f"the store rejected the request: {exc}")
     return StorageError(f"store error: {exc}")
 
 

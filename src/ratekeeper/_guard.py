@@ -1,0 +1,295 @@
+"""Resilience around every store call, without I/O: breaker, failure modes, deny cache, metrics.
+
+``Limiter`` and ``AsyncLimiter`` drive it the same way::
+
+    early = guard.before(call)          # a cached denial or an open breaker answers at once
+    if early is None:
+        started = guard.started()
+        try:
+            reply = <run call on the store>
+        except StorageError as exc:
+            return guard.failed(call, exc, started)   # the failure mode decides, or raises
+        return guard.succeeded(call, reply, started)
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import replace
+
+from ._algorithms import HIT, RELEASE
+from ._breaker import CircuitBreaker
+from ._clock import Clock
+from ._core import Call, Core
+from ._decision import Decision
+from ._errors import ConfigError, StorageError, StorageTimeout, StorageUnavailable
+from ._policy import FAILURE_MODES, Policy
+from ._rates import Rate
+from ._storage.memory import MemoryStorage
+from .metrics import Metrics
+
+__all__ = ["DEFAULT_DENY_CACHE_SIZE", "Guard"]
+
+log = logging.getLogger("ratekeeper")
+
+DEFAULT_DENY_CACHE_SIZE = 10_000
+
+#: Algorithms whose retry_after stays exact whatever other clients do (they can only add load).
+#: Concurrency leases can be released early, so a cached denial could be wrong there.
+_CACHEABLE = frozenset({"sliding_log", "sliding_window", "fixed_window", "gcra", "token_bucket"})
+
+
+class _Throttled:
+    """Logs a warning per reason at most once per ``interval`` seconds, counting the rest."""
+
+    def __init__(self, interval: float = 10.0) -> None:
+        self.interval = interval
+        self._lock = threading.Lock()
+        self._last: dict[str, float] = {}
+        self._suppressed: dict[str, int] = {}
+
+    def warn(self, reason: str, message: str) -> None:
+        now = time.monotonic()
+        with self._lock:
+            last = self._last.get(reason)
+            if last is not None and now - last < self.interval:
+                self._suppressed[reason] = self._suppressed.get(reason, 0) + 1
+                return
+            self._last[reason] = now
+            suppressed = self._suppressed.pop(reason, 0)
+        more = f" ({suppressed} more since the last report)" if suppressed else ""
+        log.warning("%s%s", message, more)
+
+
+def _micros(clock: Callable[[], float]) -> Callable[[], int]:
+    """A clock in integer microseconds, converted as the core converts client time."""
+    return lambda: int(clock() * 1_000_000)
+
+
+class _DenyCache:
+    """Recent exact denials per key: (until, cost, decision, at), times in integer
+    microseconds so that a cached wait equals the one the store would give. LRU-bounded."""
+
+    def __init__(self, size: int, clock_us: Callable[[], int]) -> None:
+        self.size = size
+        self.clock_us = clock_us
+        self._lock = threading.Lock()
+        self._entries: OrderedDict[str, tuple[int, int, Decision, int]] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def lookup(self, key: str, cost: int) -> Decision | None:
+        entry = self._entries.get(key)
+        if entry is None:
+            return None
+        until, denied_cost, decision, at = entry
+        now = self.clock_us()
+        if now >= until:
+            with self._lock:
+                if self._entries.get(key) is entry:
+                    del self._entries[key]
+            return None
+        if cost < denied_cost:
+            return None
+        reset = max(round(decision.reset_after * 1_000_000) - (now - at), 0)
+        return replace(
+            decision,
+            retry_after=(until - now) / 1_000_000,
+            reset_after=reset / 1_000_000,
+            reason="deny_cache",
+        )
+
+    def store(self, key: str, cost: int, decision: Decision, sent: int) -> None:
+        retry = decision.retry_after
+        if retry is None or math.isinf(retry) or retry <= 0:
+            return
+        with self._lock:
+            self._entries[key] = (sent + round(retry * 1_000_000), cost, decision, sent)
+            self._entries.move_to_end(key)
+            while len(self._entries) > self.size:
+                self._entries.popitem(last=False)
+
+    def forget(self, keys: tuple[str, ...]) -> None:
+        with self._lock:
+            for key in keys:
+                self._entries.pop(key, None)
+
+
+class Guard:
+    """Everything a limiter does around a store call, shared by the sync and async limiters."""
+
+    def __init__(
+        self,
+        core: Core,
+        *,
+        failure_mode: str = "open",
+        local_share: float = 1.0,
+        breaker: CircuitBreaker | None = None,
+        deny_cache: int = DEFAULT_DENY_CACHE_SIZE,
+        metrics: Metrics | None = None,
+        clock: Clock | None = None,
+    ) -> None:
+        if failure_mode not in FAILURE_MODES:
+            raise ConfigError(
+                f"failure_mode {failure_mode!r} is unknown: "
+                f"choose one of {', '.join(FAILURE_MODES)}"
+            )
+        if (
+            isinstance(local_share, bool)
+            or not isinstance(local_share, (int, float))
+            or not 0 < local_share <= 1
+        ):
+            raise ConfigError(f"local_share must be in (0, 1], got {local_share!r}")
+        if isinstance(deny_cache, bool) or not isinstance(deny_cache, int) or deny_cache < 0:
+            raise ConfigError(
+                f"deny_cache must be an int >= 0 (0 turns it off), got {deny_cache!r}"
+            )
+        if breaker is not None and not isinstance(breaker, CircuitBreaker):
+            raise ConfigError(f"breaker must be a CircuitBreaker, got {type(breaker).__name__}")
+        self.core = core
+        self.failure_mode = failure_mode
+        self.local_share = float(local_share)
+        self.breaker = breaker if breaker is not None else CircuitBreaker()
+        self.metrics = metrics if metrics is not None else Metrics()
+        self.breaker.add_listener(self.metrics.breaker_transition)
+        self.breaker.add_listener(self._log_transition)
+        self._clock_us = _micros(clock if clock is not None else time.monotonic)
+        self._deny = _DenyCache(deny_cache, self._clock_us) if deny_cache else None
+        self._local: MemoryStorage | None = None
+        self._local_policies: dict[Policy, Policy] = {}
+        self._log = _Throttled()
+
+    # -- the flow ------------------------------------------------------------------------
+
+    def before(self, call: Call) -> Decision | None:
+        """A decision made without the store, or None to ask the store."""
+        if self._deny is not None and call.mode == HIT:
+            cached = self._deny.lookup(call.keys[0], call.cost)
+            if cached is not None:
+                self.metrics.decision(cached)
+                return cached
+        if self.breaker.allow():
+            return None
+        return self._fallback(call, "breaker_open", None)
+
+    def started(self) -> float:
+        return time.perf_counter()
+
+    def succeeded(self, call: Call, reply: list[int], started: float) -> Decision:
+        elapsed = time.perf_counter() - started
+        self.breaker.record(True, elapsed)
+        self.metrics.store_call(elapsed, True)
+        decision = self.core.decide(call, reply)
+        if (
+            self._deny is not None
+            and not decision.allowed
+            and call.mode == HIT
+            and call.policy.algorithm in _CACHEABLE
+        ):
+            # With client time the decision was made at the time we sent; with the store's
+            # clock, after we sent: either way the true wait ends no earlier than this.
+            given = int(call.args[0])
+            sent = given if given > 0 else self._clock_us() - round(elapsed * 1_000_000)
+            self._deny.store(call.keys[0], call.cost, decision, sent)
+        self.metrics.decision(decision)
+        return decision
+
+    def failed(self, call: Call, exc: StorageError, started: float) -> Decision:
+        elapsed = time.perf_counter() - started
+        self.breaker.record(False, elapsed)
+        self.metrics.store_call(elapsed, False)
+        if isinstance(exc, StorageTimeout):
+            reason = "timeout"
+        elif isinstance(exc, StorageUnavailable):
+            reason = "unavailable"
+        else:
+            reason = "store_error"
+        return self._fallback(call, reason, exc)
+
+    def forget(self, keys: tuple[str, ...]) -> None:
+        """After a reset: drop cached denials of these keys, here and in the local fallback."""
+        if self._deny is not None:
+            self._deny.forget(keys)
+        if self._local is not None:
+            self._local.delete(keys)
+
+    # -- failure modes -------------------------------------------------------------------
+
+    def _fallback(self, call: Call, reason: str, exc: StorageError | None) -> Decision:
+        policy = call.policy
+        mode = policy.failure_mode or self.failure_mode
+        if mode == "raise":
+            if exc is None:
+                exc = StorageUnavailable(
+                    f"the circuit breaker is open: the store is not asked for "
+                    f"{self.breaker.retry_after():.3f} s more"
+                )
+            raise exc
+        rate = policy.rates[0]
+        if call.mode == RELEASE:
+            # A lease whose release could not be recorded expires on its own.
+            decision = self._degraded(policy, rate, False, None, f"{reason}/{mode}")
+        elif mode == "open":
+            decision = self._degraded(policy, rate, True, None, f"{reason}/open")
+        elif mode == "closed":
+            wait = self.breaker.retry_after() or self.breaker.open_for
+            decision = self._degraded(policy, rate, False, wait, f"{reason}/closed")
+        else:
+            local = self._local_call(call)
+            assert self._local is not None
+            reply = self._local.run(local.script, local.keys, local.args)
+            decision = replace(
+                self.core.decide(local, reply), degraded=True, reason=f"{reason}/local"
+            )
+        self._log.warn(
+            reason,
+            f"ratekeeper: the store could not decide ({reason}"
+            + (f": {exc}" if exc is not None else "")
+            + f"); the {mode!r} failure mode did",
+        )
+        self.metrics.decision(decision)
+        return decision
+
+    @staticmethod
+    def _degraded(
+        policy: Policy, rate: Rate, allowed: bool, retry: float | None, reason: str
+    ) -> Decision:
+        return Decision(
+            allowed=allowed,
+            limit=rate.limit,
+            remaining=rate.limit if allowed else 0,
+            reset_after=0.0,
+            retry_after=retry,
+            policy=policy.name,
+            rate=rate,
+            degraded=True,
+            reason=reason,
+        )
+
+    def _local_call(self, call: Call) -> Call:
+        if self._local is None:
+            self._local = MemoryStorage()
+        policy = call.policy
+        local = self._local_policies.get(policy)
+        if local is None:
+            share = self.local_share
+            rates = [Rate(max(1, math.floor(r.limit * share)), r.period) for r in policy.rates]
+            burst = None if policy.burst is None else max(1, math.floor(policy.burst * share))
+            local = Policy(
+                policy.name,
+                rates,
+                policy.algorithm,
+                burst=burst,
+                max_log_entries=policy.max_log_entries,
+            )
+            self._local_policies[policy] = local
+        return self.core.rebind(call, local)
+
+    def _log_transition(self, old: object, new: object) -> None:
+        log.warning("ratekeeper: circuit breaker %s -> %s", old, new)
