@@ -8,6 +8,7 @@ redis-py (``Retry`` below), which at worst counts a hit twice and never admits o
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from .._errors import (
@@ -32,7 +33,9 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
         "Redis support needs the 'redis' extra: pip install 'ratekeeper[redis]'"
     ) from exc
 
-__all__ = ["AsyncRedisStorage", "RedisStorage", "client_options"]
+__all__ = ["AsyncRedisStorage", "RedisStorage", "client_options", "eviction_warning"]
+
+log = logging.getLogger("ratekeeper")
 
 #: Default seconds to wait for a reply, and for a new connection: a limiter answers fast or not
 #: at all, and the failure mode decides then. Raise both for a distant or TLS store.
@@ -99,11 +102,40 @@ def _translate(exc: redis.RedisError) -> StorageError | RequestRejected:
     return StorageError(f"store error: {exc}")
 
 
+def eviction_warning(info: dict[str, Any]) -> str | None:
+    """A warning when the server may evict limiter keys (from ``INFO memory``), else None.
+
+    Every limiter key has a TTL, so ``volatile-*`` policies can evict them too: an evicted key
+    is a silently reset limit. Only ``noeviction`` (or no ``maxmemory``) keeps them.
+    """
+    maxmemory = int(info.get("maxmemory", 0) or 0)
+    policy = str(info.get("maxmemory_policy", "noeviction"))
+    if maxmemory > 0 and policy != "noeviction":
+        return (
+            f"ratekeeper: the store has maxmemory={maxmemory} with maxmemory-policy={policy}: "
+            "under memory pressure it may evict limiter keys (all of them have TTLs, so "
+            "volatile-* policies too), which silently resets limits. Use noeviction and let "
+            "the failure mode decide when the store is full."
+        )
+    return None
+
+
 class RedisStorage:
     """Runs scripts on a ``redis.Redis`` client."""
 
     def __init__(self, client: redis.Redis) -> None:
         self.client = client
+        self._checked_eviction = False
+
+    def _check_eviction(self) -> None:
+        self._checked_eviction = True
+        try:
+            info: dict[str, Any] = self.client.info("memory")  # type: ignore[assignment]
+            warning = eviction_warning(info)
+        except redis.RedisError:  # INFO may be forbidden on a managed server
+            return
+        if warning:
+            log.warning("%s", warning)
 
     @classmethod
     def from_url(cls, url: str, **options: Any) -> RedisStorage:
@@ -125,6 +157,8 @@ class RedisStorage:
                 reply = client.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)  # type: ignore[no-untyped-call]
         except redis.RedisError as exc:
             raise _translate(exc) from exc
+        if not self._checked_eviction:
+            self._check_eviction()
         return reply  # type: ignore[no-any-return]
 
     def delete(self, keys: tuple[str, ...]) -> None:
@@ -142,6 +176,16 @@ class AsyncRedisStorage:
 
     def __init__(self, client: redis.asyncio.Redis) -> None:
         self.client = client
+        self._checked_eviction = False
+
+    async def _check_eviction(self) -> None:
+        self._checked_eviction = True
+        try:
+            warning = eviction_warning(await self.client.info("memory"))
+        except redis.RedisError:  # INFO may be forbidden on a managed server
+            return
+        if warning:
+            log.warning("%s", warning)
 
     @classmethod
     def from_url(cls, url: str, **options: Any) -> AsyncRedisStorage:
@@ -168,6 +212,8 @@ class AsyncRedisStorage:
                 reply = await client.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)  # type: ignore[no-untyped-call]
         except redis.RedisError as exc:
             raise _translate(exc) from exc
+        if not self._checked_eviction:
+            await self._check_eviction()
         return reply  # type: ignore[no-any-return]
 
     async def delete(self, keys: tuple[str, ...]) -> None:
