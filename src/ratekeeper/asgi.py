@@ -1,0 +1,161 @@
+"""Pure ASGI rate limiting middleware: no framework, no BaseHTTPMiddleware, no blocking calls.
+
+    from ratekeeper import AsyncLimiter, Policy
+    from ratekeeper.asgi import RateLimitMiddleware
+    from ratekeeper.identity import client_ip
+
+    app = RateLimitMiddleware(
+        app,
+        limiter=AsyncLimiter.from_url("redis://localhost:6379/0"),
+        policy=Policy("api", "100/minute"),
+        key=client_ip(trusted_proxies=["10.0.0.0/8"]),
+    )
+
+Works with Starlette's ``app.add_middleware(RateLimitMiddleware, limiter=..., policy=...)`` and
+FastAPI alike. Lifespan scopes pass through untouched; websocket handshakes are limited (a denied
+handshake is closed before it is accepted).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Awaitable, Callable, Iterable, MutableMapping
+from typing import Any
+
+from ._errors import ConfigError
+from ._http import (
+    DeniedResponse,
+    KeyFunc,
+    Request,
+    Rule,
+    default_denied,
+    make_rules,
+    match_rule,
+    merge_headers,
+    response_headers,
+)
+from ._limiter import AsyncLimiter
+from ._policy import Policy
+from .identity import client_ip
+
+__all__ = ["RateLimitMiddleware", "Rule", "request_from_scope"]
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+
+def request_from_scope(scope: Scope) -> Request:
+    """The framework-free view of an ASGI HTTP or websocket scope."""
+    headers: dict[str, str] = {}
+    for raw_name, raw_value in scope.get("headers") or ():
+        name = raw_name.decode("latin-1").lower()
+        value = raw_value.decode("latin-1")
+        headers[name] = f"{headers[name]}, {value}" if name in headers else value
+    client = scope.get("client")
+    return Request(
+        method=scope.get("method", "GET"),
+        path=scope.get("path", "/"),
+        headers=headers,
+        peer=client[0] if client else None,
+        raw=scope,
+    )
+
+
+class RateLimitMiddleware:
+    """Limits every HTTP request and websocket handshake by the first matching rule.
+
+    Arguments, keyword-only:
+
+    * ``limiter``: an :class:`AsyncLimiter` (a blocking Limiter is refused).
+    * ``policy``: the default policy for paths no rule matches (None: such paths are not limited).
+    * ``key``: the default key function (default: ``client_ip()``, the socket peer).
+    * ``rules``: :class:`Rule` values, tried in order; the first match wins.
+    * ``exempt``: path globs or regexes never limited (health checks).
+    * ``shadow``: decide, record and send headers, but never block (dark launches). A rule's
+      own ``shadow=True`` does the same for its routes.
+    * ``legacy_headers``: also send ``X-RateLimit-Limit/Remaining/Reset``.
+    * ``denied``: builds the 429 response (status, headers, body) instead of the default
+      problem+json.
+
+    Requests for which the key function finds no identity are not limited. Decisions the store
+    could not make (``decision.degraded``) get no RateLimit headers: their numbers would be made
+    up; a degraded denial (failure mode ``closed``) is still a 429.
+    """
+
+    def __init__(
+        self,
+        app: ASGIApp,
+        *,
+        limiter: AsyncLimiter,
+        policy: Policy | None = None,
+        key: KeyFunc | None = None,
+        rules: Iterable[Rule] = (),
+        exempt: Iterable[str | re.Pattern[str]] = (),
+        shadow: bool = False,
+        legacy_headers: bool = False,
+        denied: DeniedResponse | None = None,
+    ) -> None:
+        if not isinstance(limiter, AsyncLimiter):
+            raise ConfigError(
+                "the ASGI middleware needs an AsyncLimiter: a blocking Limiter would stall the "
+                "event loop"
+            )
+        self.app = app
+        self.limiter = limiter
+        self.rules = make_rules(policy, rules, exempt)
+        self.key = key if key is not None else client_ip()
+        self.shadow = shadow
+        self.legacy_headers = legacy_headers
+        self.denied = denied if denied is not None else default_denied
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        kind = scope["type"]
+        if kind not in ("http", "websocket"):
+            await self.app(scope, receive, send)
+            return
+        request = request_from_scope(scope)
+        rule = match_rule(self.rules, request.method if kind == "http" else "GET", request.path)
+        if rule is None or rule.policy is None:
+            await self.app(scope, receive, send)
+            return
+        identity = (rule.key or self.key)(request)
+        if identity is None:
+            await self.app(scope, receive, send)
+            return
+        decision = await self.limiter.hit(rule.policy, identity, rule.cost)
+        headers = response_headers(decision, legacy=self.legacy_headers)
+        if not decision.allowed and not (self.shadow or rule.shadow):
+            if kind == "websocket":
+                # Refuse the handshake: close before accepting (the server answers 403).
+                await send({"type": "websocket.close", "code": 1008})
+                return
+            status, extra, body = self.denied(decision, request)
+            await _respond(send, status, merge_headers(extra, headers), body)
+            return
+        if not headers or kind == "websocket":
+            await self.app(scope, receive, send)
+            return
+        await self.app(scope, receive, _with_headers(send, headers))
+
+
+def _with_headers(send: Send, headers: list[tuple[str, str]]) -> Send:
+    encoded = [(n.lower().encode("latin-1"), v.encode("latin-1")) for n, v in headers]
+    names = {name for name, _ in encoded}
+
+    async def wrapped(message: Message) -> None:
+        if message["type"] == "http.response.start":
+            kept = [(n, v) for n, v in message.get("headers", ()) if n.lower() not in names]
+            message = {**message, "headers": kept + encoded}
+        await send(message)
+
+    return wrapped
+
+
+async def _respond(send: Send, status: int, headers: list[tuple[str, str]], body: bytes) -> None:
+    raw = [(n.lower().encode("latin-1"), v.encode("latin-1")) for n, v in headers]
+    raw.append((b"content-length", str(len(body)).encode()))
+    await send({"type": "http.response.start", "status": status, "headers": raw})
+    await send({"type": "http.response.body", "body": body})
