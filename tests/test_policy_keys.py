@@ -359,6 +359,8 @@ def test_clock_must_be_callable() -> None:
 EXPECTED_ALL = {
     "AsyncLease",
     "AsyncLimiter",
+    "BreakerState",
+    "CircuitBreaker",
     "Clock",
     "ConfigError",
     "Decision",
@@ -368,6 +370,7 @@ EXPECTED_ALL = {
     "Policy",
     "Rate",
     "RatekeeperError",
+    "RequestRejected",
     "StorageError",
     "StorageResponseError",
     "StorageTimeout",

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from ._breaker import BreakerState, CircuitBreaker
 from ._clock import Clock, ManualClock
 from ._decision import Decision
 from ._errors import (
     ConfigError,
     RatekeeperError,
+    RequestRejected,
     StorageError,
     StorageResponseError,
     StorageTimeout,
@@ -20,6 +22,8 @@ from ._rates import Rate, parse_rates
 __all__ = [
     "AsyncLease",
     "AsyncLimiter",
+    "BreakerState",
+    "CircuitBreaker",
     "Clock",
     "ConfigError",
     "Decision",
@@ -29,6 +33,7 @@ __all__ = [
     "Policy",
     "Rate",
     "RatekeeperError",
+    "RequestRejected",
     "StorageError",
     "StorageResponseError",
     "StorageTimeout",

@@ -159,26 +159,28 @@ class Core:
 
     @staticmethod
     def decide(call: Call, reply: list[int]) -> Decision:
-        """Read a script reply into a Decision."""
+        """Read a script reply into a Decision.
+
+        A denial is described by the denying rate with the longest wait. Otherwise (an
+        admission, or a release of a lease no longer held, which denies nothing) by the rate
+        with the fewest units left, then the longest wait to reset.
+        """
         policy = call.policy
         allowed = int(reply[0]) == 1
-        best = -1
-        best_key: tuple[float, float] | None = None
-        for i in range(len(policy.rates)):
-            remaining, reset, retry = (int(v) for v in reply[1 + 3 * i : 4 + 3 * i])
-            if allowed:
-                # The rate with the fewest units left, then the longest wait to reset.
-                key: tuple[float, float] = (-remaining, reset)
-            else:
-                if retry == RETRY_NONE:
-                    continue
-                # The denying rate with the longest wait.
-                key = (math.inf if retry == RETRY_NEVER else retry, reset)
-            if best_key is None or key > best_key:
-                best, best_key = i, key
-        remaining, reset, retry = (int(v) for v in reply[1 + 3 * best : 4 + 3 * best])
+        rows = [
+            tuple(int(v) for v in reply[1 + 3 * i : 4 + 3 * i]) for i in range(len(policy.rates))
+        ]
+        denying = [i for i, row in enumerate(rows) if row[2] != RETRY_NONE]
+        if not allowed and denying:
+            best = max(
+                denying,
+                key=lambda i: (math.inf if rows[i][2] == RETRY_NEVER else rows[i][2], rows[i][1]),
+            )
+        else:
+            best = max(range(len(rows)), key=lambda i: (-rows[i][0], rows[i][1]))
+        remaining, reset, retry = rows[best]
         retry_after: float | None = None
-        if not allowed:
+        if not allowed and retry != RETRY_NONE:
             retry_after = math.inf if retry == RETRY_NEVER else retry / 1_000_000
         return Decision(
             allowed=allowed,
