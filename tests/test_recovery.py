@@ -35,9 +35,9 @@ from .servers import RedisServer, find_binaries
 FLAVORS = [binary.flavor for binary in find_binaries()]
 
 #: Short deadlines so that failures surface quickly.
-FAST = {"timeout": 0.2, "connect_timeout": 0.2}
+FAST = {"timeout": 0.2, "connect_timeout": 0.2, "failure_mode": "raise"}
 #: Generous reply timeout for steps that must succeed even on a loaded machine.
-PATIENT = {"timeout": 5, "connect_timeout": 5}
+PATIENT = {"timeout": 5, "connect_timeout": 5, "failure_mode": "raise"}
 
 
 @pytest.fixture(scope="module")

@@ -122,7 +122,11 @@ class CircuitBreaker:
     @property
     def open_for(self) -> float:
         """How long the next opening lasts, in seconds (grows with flapping)."""
-        return self._open_for
+        with self._lock:
+            self._tick(self._clock())
+            open_for = self._open_for
+        self._flush()
+        return open_for
 
     def retry_after(self) -> float:
         """Seconds until the breaker lets a probe through (0 unless open)."""

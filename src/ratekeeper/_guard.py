@@ -212,6 +212,13 @@ class Guard:
             reason = "store_error"
         return self._fallback(call, reason, exc)
 
+    def rejected(self, started: float) -> None:
+        """The store refused the request itself (RequestRejected): it is up and answering, so
+        the call counts as a good one for the breaker (and ends a half-open probe)."""
+        elapsed = time.perf_counter() - started
+        self.breaker.record(True, elapsed)
+        self.metrics.store_call(elapsed, True)
+
     def forget(self, keys: tuple[str, ...]) -> None:
         """After a reset: drop cached denials of these keys, here and in the local fallback."""
         if self._deny is not None:

@@ -14,7 +14,7 @@ from ._breaker import CircuitBreaker
 from ._clock import Clock
 from ._core import Call, Core
 from ._decision import Decision
-from ._errors import StorageError
+from ._errors import RequestRejected, StorageError
 from ._guard import DEFAULT_DENY_CACHE_SIZE, Guard
 from ._keys import DEFAULT_KEY_PREFIX, Identity
 from ._lease import Acquiring, AsyncLease, Lease
@@ -121,6 +121,9 @@ class Limiter(_Base):
             reply = self.storage.run(call.script, call.keys, call.args)
         except StorageError as exc:
             return guard.failed(call, exc, started)
+        except RequestRejected:
+            guard.rejected(started)
+            raise
         return guard.succeeded(call, reply, started)
 
     def hit(self, policy: Policy, identity: Identity, cost: int = 1) -> Decision:
@@ -194,6 +197,9 @@ class AsyncLimiter(_Base):
             reply = await self.storage.run(call.script, call.keys, call.args)
         except StorageError as exc:
             return guard.failed(call, exc, started)
+        except RequestRejected:
+            guard.rejected(started)
+            raise
         return guard.succeeded(call, reply, started)
 
     async def hit(self, policy: Policy, identity: Identity, cost: int = 1) -> Decision:

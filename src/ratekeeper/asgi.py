@@ -22,6 +22,7 @@ import re
 from collections.abc import Awaitable, Callable, Iterable, MutableMapping
 from typing import Any
 
+from ._decision import Decision
 from ._errors import ConfigError
 from ._http import (
     DeniedResponse,
@@ -38,7 +39,7 @@ from ._limiter import AsyncLimiter
 from ._policy import Policy
 from .identity import client_ip
 
-__all__ = ["RateLimitMiddleware", "Rule", "request_from_scope"]
+__all__ = ["RateLimitMiddleware", "Rule", "fastapi_dependency", "request_from_scope"]
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -159,3 +160,49 @@ async def _respond(send: Send, status: int, headers: list[tuple[str, str]], body
     raw.append((b"content-length", str(len(body)).encode()))
     await send({"type": "http.response.start", "status": status, "headers": raw})
     await send({"type": "http.response.body", "body": body})
+
+
+def fastapi_dependency(
+    limiter: AsyncLimiter,
+    policy: Policy,
+    *,
+    key: KeyFunc | None = None,
+    cost: int = 1,
+    legacy_headers: bool = False,
+) -> Callable[..., Awaitable[Decision]]:
+    """A FastAPI dependency that limits one endpoint (``pip install fastapi``).
+
+        limited = fastapi_dependency(limiter, Policy("search", "10/minute"))
+
+        @app.get("/search")
+        async def search(decision: Decision = Depends(limited)): ...
+
+    Sets the RateLimit headers on the response, and raises ``HTTPException(429)`` with
+    ``Retry-After`` when the request is denied.
+    """
+    from fastapi import HTTPException, Response
+    from starlette.requests import Request as StarletteRequest
+
+    if not isinstance(limiter, AsyncLimiter):
+        raise ConfigError("fastapi_dependency needs an AsyncLimiter")
+    rule = Rule("*", policy, key=key, cost=cost)
+    key_func = key if key is not None else client_ip()
+
+    async def dependency(request: StarletteRequest, response: Response) -> Decision:
+        view = request_from_scope(request.scope)
+        identity = key_func(view)
+        if identity is None:
+            raise HTTPException(status_code=400, detail="no client identity")
+        decision = await limiter.hit(policy, identity, rule.cost)
+        headers = response_headers(decision, legacy=legacy_headers)
+        if not decision.allowed:
+            raise HTTPException(
+                status_code=429,
+                detail=f"Rate limit exceeded for policy {policy.name!r} ({decision.rate}).",
+                headers=dict(headers),
+            )
+        for name, value in headers:
+            response.headers[name] = value
+        return decision
+
+    return dependency

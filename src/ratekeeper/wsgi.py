@@ -33,7 +33,7 @@ from ._limiter import Limiter
 from ._policy import Policy
 from .identity import client_ip
 
-__all__ = ["RateLimitMiddleware", "Rule", "request_from_environ"]
+__all__ = ["RateLimitMiddleware", "Rule", "flask_limit", "request_from_environ"]
 
 StartResponse = Callable[..., Any]
 WSGIApp = Callable[[dict[str, Any], StartResponse], Iterable[bytes]]
@@ -108,3 +108,50 @@ class RateLimitMiddleware:
             return start_response(status, merged)
 
         return self.app(environ, start)
+
+
+def flask_limit(
+    limiter: Limiter,
+    policy: Policy,
+    *,
+    key: KeyFunc | None = None,
+    cost: int = 1,
+    legacy_headers: bool = False,
+) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """A Flask view decorator that limits one endpoint (``pip install flask``).
+
+        @app.get("/search")
+        @flask_limit(limiter, Policy("search", "10/minute"))
+        def search(): ...
+
+    Adds the RateLimit headers to the view's response, or answers 429 with problem+json.
+    """
+    import functools
+
+    import flask
+
+    if not isinstance(limiter, Limiter):
+        raise ConfigError("flask_limit needs a blocking Limiter")
+    rule = Rule("*", policy, key=key, cost=cost)
+    key_func = key if key is not None else client_ip()
+
+    def decorate(view: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(view)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            request = request_from_environ(flask.request.environ)
+            identity = key_func(request)
+            if identity is None:
+                return view(*args, **kwargs)
+            decision = limiter.hit(policy, identity, rule.cost)
+            headers = response_headers(decision, legacy=legacy_headers)
+            if not decision.allowed:
+                status, extra, body = default_denied(decision, request)
+                return flask.Response(body, status=status, headers=merge_headers(extra, headers))
+            response = flask.make_response(view(*args, **kwargs))
+            for name, value in headers:
+                response.headers[name] = value
+            return response
+
+        return wrapper
+
+    return decorate

@@ -1,0 +1,322 @@
+"""Metrics: the Prometheus adapter's exact sample values, and a custom ``Metrics`` hook.
+
+Most tests drive a limiter over a storage that can be switched off (the memory backend behind a
+switch), with a ManualClock and a breaker on a fake clock, so every count is known exactly.
+``test_prometheus_on_every_backend`` repeats the simple case on the real backends and APIs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from ratekeeper import AsyncLimiter, Decision, Limiter, ManualClock, Policy, StorageUnavailable
+from ratekeeper._breaker import BreakerState, CircuitBreaker
+from ratekeeper._scripts import Script
+from ratekeeper._storage.memory import MemoryStorage
+from ratekeeper.metrics import Metrics, PrometheusMetrics
+
+from .conftest import MakeLimiter
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 50.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+class SwitchableStorage:
+    """The memory backend, unreachable while ``down`` is set."""
+
+    def __init__(self, clock: ManualClock) -> None:
+        self.inner = MemoryStorage(clock=clock)
+        self.down = False
+        self.calls = 0
+
+    def run(self, script: Script, keys: tuple[str, ...], args: tuple[int | str, ...]) -> list[int]:
+        self.calls += 1
+        if self.down:
+            raise StorageUnavailable("the store is switched off")
+        return self.inner.run(script, keys, args)
+
+    def delete(self, keys: tuple[str, ...]) -> None:
+        self.inner.delete(keys)
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+class AsyncSwitchableStorage:
+    def __init__(self, clock: ManualClock) -> None:
+        self.sync = SwitchableStorage(clock)
+
+    async def run(
+        self, script: Script, keys: tuple[str, ...], args: tuple[int | str, ...]
+    ) -> list[int]:
+        return self.sync.run(script, keys, args)
+
+    async def delete(self, keys: tuple[str, ...]) -> None:
+        self.sync.delete(keys)
+
+    async def close(self) -> None:
+        self.sync.close()
+
+
+def samples(registry: CollectorRegistry) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """Every sample but creation times, bucket counts and latency sums (which are timings)."""
+    found = {}
+    for family in registry.collect():
+        for sample in family.samples:
+            if sample.name.endswith(("_created", "_bucket", "_sum")):
+                continue
+            found[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+    return found
+
+
+def key(name: str, **labels: str) -> tuple[str, tuple[tuple[str, str], ...]]:
+    return (name, tuple(sorted(labels.items())))
+
+
+API = Policy("api", "2/minute")  # the limiter's failure mode: open
+OTHER = Policy("other", "5/minute", failure_mode="closed")
+
+
+def scenario(limiter: Limiter, storage: SwitchableStorage) -> list[Decision]:
+    """Allowed, denied by the store, denied by the cache, then degraded, breaker open."""
+    made = [limiter.hit(API, "a") for _ in range(3)]  # allowed, allowed, denied (store)
+    made += [limiter.hit(API, "a") for _ in range(3)]  # deny cache
+    made.append(limiter.hit(OTHER, "b"))  # allowed
+    storage.down = True
+    made.append(limiter.hit(API, "c"))  # unavailable/open
+    made.append(limiter.hit(OTHER, "d"))  # unavailable/closed; the breaker opens (2 in a row)
+    made.append(limiter.hit(API, "e"))  # breaker_open/open
+    made.append(limiter.hit(OTHER, "f"))  # breaker_open/closed
+    made.append(limiter.hit(API, "a"))  # still a cached denial: the cache comes first
+    return made
+
+
+def build(metrics: Metrics) -> tuple[Limiter, SwitchableStorage, CircuitBreaker, FakeClock]:
+    clock = ManualClock()
+    breaker_clock = FakeClock()
+    breaker = CircuitBreaker(consecutive_failures=2, open_for=1.0, probes=2, clock=breaker_clock)
+    storage = SwitchableStorage(clock)
+    limiter = Limiter(storage, clock=clock, breaker=breaker, metrics=metrics)
+    return limiter, storage, breaker, breaker_clock
+
+
+def test_prometheus_samples_are_exact():
+    registry = CollectorRegistry()
+    limiter, storage, breaker, breaker_clock = build(PrometheusMetrics(registry=registry))
+    with limiter:
+        made = scenario(limiter, storage)
+        assert [d.reason for d in made] == [
+            None, None, None, "deny_cache", "deny_cache", "deny_cache", None,
+            "unavailable/open", "unavailable/closed", "breaker_open/open", "breaker_open/closed",
+            "deny_cache",
+        ]  # fmt: skip
+        assert breaker.state is BreakerState.OPEN
+        assert storage.calls == 6
+
+        expected = {
+            key("ratekeeper_decisions_total", policy="api", outcome="allowed"): 4.0,
+            key("ratekeeper_decisions_total", policy="api", outcome="denied"): 5.0,
+            key("ratekeeper_decisions_total", policy="other", outcome="allowed"): 1.0,
+            key("ratekeeper_decisions_total", policy="other", outcome="denied"): 2.0,
+            key("ratekeeper_degraded_decisions_total", policy="api", reason="unavailable/open"): 1,
+            key("ratekeeper_degraded_decisions_total", policy="api", reason="breaker_open/open"): 1,
+            key(
+                "ratekeeper_degraded_decisions_total", policy="other", reason="unavailable/closed"
+            ): 1,
+            key(
+                "ratekeeper_degraded_decisions_total", policy="other", reason="breaker_open/closed"
+            ): 1,
+            key("ratekeeper_deny_cache_hits_total", policy="api"): 4.0,
+            key("ratekeeper_store_latency_seconds_count", outcome="ok"): 4.0,
+            key("ratekeeper_store_latency_seconds_count", outcome="error"): 2.0,
+            key("ratekeeper_breaker_state"): 2.0,
+            key("ratekeeper_breaker_transitions_total", from_state="closed", to_state="open"): 1,
+        }
+        assert samples(registry) == expected
+
+        # Recovery: half-open (state 1), two good probes, closed (state 0).
+        storage.down = False
+        breaker_clock.advance(1.0)
+        assert breaker.state is BreakerState.HALF_OPEN
+        assert registry.get_sample_value("ratekeeper_breaker_state") == 1.0
+        assert limiter.hit(API, "g").reason is None
+        assert limiter.hit(API, "g").reason is None
+        assert breaker.state is BreakerState.CLOSED
+
+    expected[key("ratekeeper_breaker_state")] = 0.0
+    expected[key("ratekeeper_decisions_total", policy="api", outcome="allowed")] += 2
+    expected[key("ratekeeper_store_latency_seconds_count", outcome="ok")] += 2
+    expected[
+        key("ratekeeper_breaker_transitions_total", from_state="open", to_state="half_open")
+    ] = 1.0
+    expected[
+        key("ratekeeper_breaker_transitions_total", from_state="half_open", to_state="closed")
+    ] = 1.0
+    assert samples(registry) == expected
+    # The histogram's buckets add up: every call is in the +Inf bucket.
+    for outcome, count in (("ok", 6.0), ("error", 2.0)):
+        inf = registry.get_sample_value(
+            "ratekeeper_store_latency_seconds_bucket", {"outcome": outcome, "le": "+Inf"}
+        )
+        assert inf == count
+
+
+def test_prometheus_local_mode_and_a_namespace():
+    registry = CollectorRegistry()
+    clock = ManualClock()
+    storage = SwitchableStorage(clock)
+    storage.down = True
+    breaker = CircuitBreaker(consecutive_failures=1_000, clock=FakeClock())
+    metrics = PrometheusMetrics(registry=registry, namespace="shop")
+    policy = Policy("cart", "4/minute", failure_mode="local")
+    with Limiter(storage, clock=clock, breaker=breaker, metrics=metrics, local_share=0.5) as lim:
+        assert [lim.hit(policy, "a").allowed for _ in range(3)] == [True, True, False]
+    assert samples(registry) == {
+        key("shop_decisions_total", policy="cart", outcome="allowed"): 2.0,
+        key("shop_decisions_total", policy="cart", outcome="denied"): 1.0,
+        key("shop_degraded_decisions_total", policy="cart", reason="unavailable/local"): 3.0,
+        key("shop_store_latency_seconds_count", outcome="error"): 3.0,
+        key("shop_breaker_state"): 0.0,  # never moved
+    }
+
+
+def test_two_adapters_need_two_registries():
+    registry = CollectorRegistry()
+    PrometheusMetrics(registry=registry)
+    with pytest.raises(ValueError, match="Duplicated"):
+        PrometheusMetrics(registry=registry)
+    PrometheusMetrics(registry=registry, namespace="second")  # another namespace is fine
+
+
+class Recorder(Metrics):
+    """A custom hook that records every call."""
+
+    def __init__(self) -> None:
+        self.decisions: list[tuple[str, bool, bool, str | None]] = []
+        self.store_calls: list[bool] = []
+        self.transitions: list[tuple[BreakerState, BreakerState]] = []
+
+    def decision(self, decision: Decision) -> None:
+        self.decisions.append(
+            (decision.policy, decision.allowed, decision.degraded, decision.reason)
+        )
+
+    def store_call(self, seconds: float, ok: bool) -> None:
+        assert seconds >= 0
+        self.store_calls.append(ok)
+
+    def breaker_transition(self, old: BreakerState, new: BreakerState) -> None:
+        self.transitions.append((old, new))
+
+
+EXPECTED_CALLS = [
+    ("api", True, False, None),
+    ("api", True, False, None),
+    ("api", False, False, None),
+    ("api", False, False, "deny_cache"),
+    ("api", False, False, "deny_cache"),
+    ("api", False, False, "deny_cache"),
+    ("other", True, False, None),
+    ("api", True, True, "unavailable/open"),
+    ("other", False, True, "unavailable/closed"),
+    ("api", True, True, "breaker_open/open"),
+    ("other", False, True, "breaker_open/closed"),
+    ("api", False, False, "deny_cache"),
+]
+
+
+def test_a_custom_metrics_subclass_receives_every_call():
+    recorder = Recorder()
+    limiter, storage, _, breaker_clock = build(recorder)
+    with limiter:
+        scenario(limiter, storage)
+        assert recorder.decisions == EXPECTED_CALLS
+        assert recorder.store_calls == [True] * 4 + [False] * 2
+        assert recorder.transitions == [(BreakerState.CLOSED, BreakerState.OPEN)]
+        storage.down = False
+        breaker_clock.advance(1.0)
+        limiter.hit(API, "g")
+        limiter.hit(API, "g")
+    assert recorder.transitions == [
+        (BreakerState.CLOSED, BreakerState.OPEN),
+        (BreakerState.OPEN, BreakerState.HALF_OPEN),
+        (BreakerState.HALF_OPEN, BreakerState.CLOSED),
+    ]
+    assert recorder.store_calls == [True] * 4 + [False] * 2 + [True] * 2
+
+
+def test_a_custom_metrics_subclass_on_asyncio():
+    recorder = Recorder()
+    clock = ManualClock()
+    breaker = CircuitBreaker(consecutive_failures=2, open_for=1.0, clock=FakeClock())
+    storage = AsyncSwitchableStorage(clock)
+
+    async def main() -> None:
+        async with AsyncLimiter(storage, clock=clock, breaker=breaker, metrics=recorder) as lim:
+            for _ in range(3):
+                await lim.hit(API, "a")
+            await lim.hit(API, "a")
+            storage.sync.down = True
+            await lim.hit(OTHER, "d")
+            await lim.hit(OTHER, "d")
+            await lim.hit(OTHER, "d")
+
+    asyncio.run(main())
+    assert recorder.decisions == [
+        ("api", True, False, None),
+        ("api", True, False, None),
+        ("api", False, False, None),
+        ("api", False, False, "deny_cache"),
+        ("other", False, True, "unavailable/closed"),
+        ("other", False, True, "unavailable/closed"),
+        ("other", False, True, "breaker_open/closed"),
+    ]
+    assert recorder.store_calls == [True, True, True, False, False]
+    assert recorder.transitions == [(BreakerState.CLOSED, BreakerState.OPEN)]
+
+
+def test_a_partial_subclass_keeps_the_other_hooks_as_no_ops():
+    class DecisionsOnly(Metrics):
+        def __init__(self) -> None:
+            self.seen = 0
+
+        def decision(self, decision: Decision) -> None:
+            self.seen += 1
+
+    metrics = DecisionsOnly()
+    limiter, storage, breaker, _ = build(metrics)
+    with limiter:
+        scenario(limiter, storage)
+    assert metrics.seen == len(EXPECTED_CALLS)
+    assert breaker.state is BreakerState.OPEN
+
+
+def test_prometheus_on_every_backend(make_limiter: MakeLimiter, backend: str):
+    """memory://, Redis and Valkey, sync and async: 3 allowed, a store denial, a cached one."""
+    registry = CollectorRegistry()
+    options: dict[str, Any] = {"metrics": PrometheusMetrics(registry=registry)}
+    if not backend.startswith("memory"):
+        options.update(timeout=5, connect_timeout=5)  # this test is not about timeouts
+    limiter = make_limiter(**options)
+    policy = Policy("everywhere", "3/minute")
+    reasons = [limiter.hit(policy, "a").reason for _ in range(5)]
+    assert reasons == [None, None, None, None, "deny_cache"]
+    assert samples(registry) == {
+        key("ratekeeper_decisions_total", policy="everywhere", outcome="allowed"): 3.0,
+        key("ratekeeper_decisions_total", policy="everywhere", outcome="denied"): 2.0,
+        key("ratekeeper_deny_cache_hits_total", policy="everywhere"): 1.0,
+        key("ratekeeper_store_latency_seconds_count", outcome="ok"): 4.0,
+        key("ratekeeper_breaker_state"): 0.0,
+    }
