@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import MutableMapping
 from typing import Any
 
 from ._limiter import AsyncLimiter
@@ -16,7 +17,7 @@ API = Policy("demo-api", "5 per 10 seconds")
 SEARCH = Policy("demo-search", "2 per 10 seconds", algorithm="gcra")
 
 
-async def _sample_api(scope: dict[str, Any], receive: Any, send: Any) -> None:
+async def _sample_api(scope: MutableMapping[str, Any], receive: Any, send: Any) -> None:
     if scope["type"] == "lifespan":
         while True:
             message = await receive()
@@ -26,6 +27,7 @@ async def _sample_api(scope: dict[str, Any], receive: Any, send: Any) -> None:
                 await send({"type": "lifespan.shutdown.complete"})
                 return
     path = scope["path"]
+    payload: dict[str, Any]
     if path == "/health":
         status, payload = 200, {"status": "ok"}
     elif path in ("/", "/api/items"):

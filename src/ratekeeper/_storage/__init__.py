@@ -3,6 +3,9 @@
 ``memory://``                  the embedded in-process backend
 ``redis://[[user]:pass@]host[:port][/db]``, ``rediss://...`` (TLS), ``unix:///path[?db=N]``
                                Redis or Valkey through redis-py
+``redis+cluster://[[user]:pass@]host:port[,host:port...]``   Redis Cluster (``rediss+`` for TLS)
+``redis+sentinel://[[user]:pass@]host:port[,host:port...]/service[/db]``   Sentinel
+                               (``valkey`` may replace ``redis`` in every scheme)
 """
 
 from __future__ import annotations
@@ -17,7 +20,13 @@ from .memory import AsyncMemoryStorage, MemoryStorage
 
 __all__ = ["AsyncStorage", "SyncStorage", "open_async", "open_sync"]
 
-_REDIS_SCHEMES = frozenset({"redis", "rediss", "unix", "valkey", "valkeys"})
+_REDIS_SCHEMES = frozenset(
+    {
+        *("redis", "rediss", "unix", "valkey", "valkeys"),
+        *("redis+cluster", "rediss+cluster", "valkey+cluster", "valkeys+cluster"),
+        *("redis+sentinel", "rediss+sentinel", "valkey+sentinel", "valkeys+sentinel"),
+    }
+)
 
 
 def _scheme(url: str) -> str:
@@ -27,7 +36,8 @@ def _scheme(url: str) -> str:
     if scheme == "memory" or scheme in _REDIS_SCHEMES:
         return scheme
     raise ConfigError(
-        f"unsupported storage URL {url!r}: use memory://, redis://, rediss:// or unix://"
+        f"unsupported storage URL {url!r}: use memory://, redis://, rediss://, unix://, "
+        "redis+cluster://host:port[,host:port...] or redis+sentinel://host:port[,...]/service"
     )
 
 

@@ -24,16 +24,31 @@ from .._scripts import Script
 try:
     import redis
     import redis.asyncio
+    import redis.asyncio.cluster
     import redis.asyncio.retry
+    import redis.asyncio.sentinel
+    import redis.cluster
+    import redis.sentinel
     from redis.backoff import NoBackoff
-    from redis.exceptions import NoScriptError, OutOfMemoryError
+    from redis.exceptions import (
+        ClusterDownError,
+        NoScriptError,
+        OutOfMemoryError,
+        SlotNotCoveredError,
+    )
     from redis.retry import Retry
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
     raise ConfigError(
         "Redis support needs the 'redis' extra: pip install 'ratekeeper[redis]'"
     ) from exc
 
-__all__ = ["AsyncRedisStorage", "RedisStorage", "client_options", "eviction_warning"]
+__all__ = [
+    "AsyncRedisStorage",
+    "RedisStorage",
+    "client_options",
+    "eviction_warning",
+    "parse_multi_host",
+]
 
 log = logging.getLogger("ratekeeper")
 
@@ -89,6 +104,87 @@ _STORE_STATE_ERRORS = (
 )
 
 
+# redis-py's cluster clients retry every command, timeouts included, after refreshing their slot
+# table. A timed-out script may have run, so ours retry only what cannot have run.
+_CLUSTER_RETRY = (redis.ConnectionError, ClusterDownError, SlotNotCoveredError)
+
+
+class _Cluster(redis.cluster.RedisCluster):
+    ERRORS_ALLOW_RETRY = _CLUSTER_RETRY  # type: ignore[assignment]
+
+
+class _AsyncCluster(redis.asyncio.cluster.RedisCluster):
+    ERRORS_ALLOW_RETRY = _CLUSTER_RETRY  # type: ignore[assignment]
+
+
+def parse_multi_host(url: str) -> tuple[str, list[tuple[str, int]], dict[str, Any], str]:
+    """Split ``scheme://[user[:password]@]host:port[,host:port...][/path][?query]``.
+
+    Returns (scheme, [(host, port), ...], credentials and query options, path without '/').
+    """
+    from urllib.parse import parse_qsl, unquote, urlsplit
+
+    scheme, rest = url.split("://", 1)
+    netloc, _, tail = rest.partition("/")
+    path, _, query = tail.partition("?")
+    if "?" in netloc:
+        netloc, _, query = netloc.partition("?")
+    options: dict[str, Any] = {}
+    if "@" in netloc:
+        userinfo, netloc = netloc.rsplit("@", 1)
+        user, _, password = userinfo.partition(":")
+        if user:
+            options["username"] = unquote(user)
+        if password:
+            options["password"] = unquote(password)
+    hosts: list[tuple[str, int]] = []
+    for item in netloc.split(","):
+        parsed = urlsplit(f"//{item.strip()}")
+        try:
+            port = parsed.port
+        except ValueError:
+            port = None
+        if not parsed.hostname or port is None:
+            raise ConfigError(f"each host in {url!r} needs host:port, got {item!r}")
+        hosts.append((parsed.hostname, port))
+    for name, value in parse_qsl(query):
+        options[name] = value
+    return scheme.lower(), hosts, options, unquote(path)
+
+
+def _cluster_kwargs(
+    url: str, kwargs: dict[str, Any]
+) -> tuple[list[tuple[str, int]], dict[str, Any]]:
+    scheme, hosts, options, path = parse_multi_host(url)
+    if path:
+        raise ConfigError(f"a cluster URL has no database or path: {url!r}")
+    merged = {**kwargs, **options}
+    if scheme.startswith(("rediss", "valkeys")):
+        merged["ssl"] = True
+    merged.pop("retry", None)
+    return hosts, merged
+
+
+def _sentinel_parts(url: str) -> tuple[list[tuple[str, int]], str, dict[str, Any]]:
+    scheme, hosts, options, path = parse_multi_host(url)
+    service, _, db = path.partition("/")
+    if not service:
+        raise ConfigError(
+            f"a sentinel URL names the service: redis+sentinel://host:port/name ({url!r})"
+        )
+    if db:
+        options["db"] = int(db)
+    if scheme.startswith(("rediss", "valkeys")):
+        options["ssl"] = True
+    return hosts, service, options
+
+
+#: Options that also apply to the connections to the sentinels themselves.
+_SENTINEL_OPTIONS = frozenset(
+    {"socket_timeout", "socket_connect_timeout", "username", "password", "ssl", "retry"}
+)
+
+
 def _translate(exc: redis.RedisError) -> StorageError | RequestRejected:
     """Map a redis-py error to ratekeeper's tree; the caller raises it ``from exc``."""
     if isinstance(exc, redis.TimeoutError):
@@ -140,12 +236,30 @@ class RedisStorage:
     @classmethod
     def from_url(cls, url: str, **options: Any) -> RedisStorage:
         kwargs = client_options(options)
-        kwargs.setdefault("retry", Retry(NoBackoff(), 1, supported_errors=(redis.ConnectionError,)))
+        scheme = url.split("://", 1)[0].lower()
         try:
-            client = redis.Redis.from_url(url, **kwargs)
-        except (ValueError, TypeError) as exc:
+            if scheme.endswith("+cluster"):
+                hosts, merged = _cluster_kwargs(url, kwargs)
+                nodes = [
+                    redis.cluster.ClusterNode(host, port)  # type: ignore[no-untyped-call]
+                    for host, port in hosts
+                ]
+                return cls(_Cluster(startup_nodes=nodes, **merged))  # type: ignore[arg-type]
+            retry = Retry(NoBackoff(), 1, supported_errors=(redis.ConnectionError,))
+            kwargs.setdefault("retry", retry)
+            if scheme.endswith("+sentinel"):
+                hosts, service, extra = _sentinel_parts(url)
+                sentinel_kwargs = {
+                    k: v for k, v in {**kwargs, **extra}.items() if k in _SENTINEL_OPTIONS
+                }
+                sentinel = redis.sentinel.Sentinel(  # type: ignore[no-untyped-call]
+                    hosts, sentinel_kwargs=sentinel_kwargs, **{**kwargs, **extra}
+                )
+                master = sentinel.master_for(service, **{**kwargs, **extra})  # type: ignore[no-untyped-call]
+                return cls(master)
+            return cls(redis.Redis.from_url(url, **kwargs))
+        except (ValueError, TypeError, redis.RedisError) as exc:
             raise ConfigError(f"invalid Redis URL or options {url!r}: {exc}") from exc
-        return cls(client)
 
     def run(self, script: Script, keys: tuple[str, ...], args: tuple[int | str, ...]) -> list[int]:
         client = self.client
@@ -190,15 +304,28 @@ class AsyncRedisStorage:
     @classmethod
     def from_url(cls, url: str, **options: Any) -> AsyncRedisStorage:
         kwargs = client_options(options)
-        kwargs.setdefault(
-            "retry",
-            redis.asyncio.retry.Retry(NoBackoff(), 1, supported_errors=(redis.ConnectionError,)),
-        )
+        scheme = url.split("://", 1)[0].lower()
         try:
-            client = redis.asyncio.Redis.from_url(url, **kwargs)
-        except (ValueError, TypeError) as exc:
+            if scheme.endswith("+cluster"):
+                hosts, merged = _cluster_kwargs(url, kwargs)
+                nodes = [redis.asyncio.cluster.ClusterNode(host, port) for host, port in hosts]
+                return cls(_AsyncCluster(startup_nodes=nodes, **merged))  # type: ignore[arg-type]
+            retry = redis.asyncio.retry.Retry(
+                NoBackoff(), 1, supported_errors=(redis.ConnectionError,)
+            )
+            kwargs.setdefault("retry", retry)
+            if scheme.endswith("+sentinel"):
+                hosts, service, extra = _sentinel_parts(url)
+                sentinel_kwargs = {
+                    k: v for k, v in {**kwargs, **extra}.items() if k in _SENTINEL_OPTIONS
+                }
+                sentinel = redis.asyncio.sentinel.Sentinel(  # type: ignore[no-untyped-call]
+                    hosts, sentinel_kwargs=sentinel_kwargs, **{**kwargs, **extra}
+                )
+                return cls(sentinel.master_for(service, **{**kwargs, **extra}))
+            return cls(redis.asyncio.Redis.from_url(url, **kwargs))
+        except (ValueError, TypeError, redis.RedisError) as exc:
             raise ConfigError(f"invalid Redis URL or options {url!r}: {exc}") from exc
-        return cls(client)
 
     async def run(
         self, script: Script, keys: tuple[str, ...], args: tuple[int | str, ...]
