@@ -531,7 +531,9 @@ def test_reset_clears_the_cached_denial(live: RedisServer, key_prefix: str):
         assert (decision.allowed, decision.reason, decision.remaining) == (True, None, 2)
 
 
-def test_a_smaller_cost_than_the_denied_one_goes_to_the_store(live: RedisServer, key_prefix):
+def test_only_denials_of_cost_1_are_cached(live: RedisServer, key_prefix: str):
+    """A larger cost's remaining can grow while it still does not fit, so only cost-1 denials
+    (whose decision changes with nothing but the clock) are answered locally."""
     clock = ManualClock()
     policy = Policy("dc-cost", "3/minute")
     with (
@@ -539,14 +541,18 @@ def test_a_smaller_cost_than_the_denied_one_goes_to_the_store(live: RedisServer,
         Limiter.from_url(live.url, key_prefix=key_prefix, clock=clock, **PATIENT) as limiter,
     ):
         assert limiter.hit(policy, "a", cost=2).allowed
-        assert limiter.hit(policy, "a", cost=2).reason is None  # denied by the store
         admin.config_resetstat()
-        assert limiter.hit(policy, "a", cost=2).reason == "deny_cache"
-        assert limiter.hit(policy, "a", cost=3).reason == "deny_cache"  # larger: still denied
+        assert limiter.hit(policy, "a", cost=2).reason is None  # denied by the store
+        assert limiter.hit(policy, "a", cost=2).reason is None  # and not cached
+        assert evalsha_calls(admin) == 2
+        assert limiter.hit(policy, "a").allowed  # the last unit
+        assert limiter.hit(policy, "a").reason is None  # a cost-1 denial, now cached
+        admin.config_resetstat()
+        assert limiter.hit(policy, "a").reason == "deny_cache"
         assert evalsha_calls(admin) == 0
-        smaller = limiter.hit(policy, "a", cost=1)
+        larger = limiter.hit(policy, "a", cost=2)
         assert evalsha_calls(admin) == 1
-        assert (smaller.allowed, smaller.reason, smaller.remaining) == (True, None, 0)
+        assert (larger.allowed, larger.reason, larger.remaining) == (False, None, 0)
 
 
 def test_concurrency_policies_are_never_cached(live: RedisServer, key_prefix: str):

@@ -1,13 +1,29 @@
 """Property: the memory backend (the Python reference) and the Lua script on a real server make
-identical decisions for any sequence of hits, peeks, resets and clock moves.
+identical decisions for any sequence of hits, peeks, resets and clock moves, for every
+algorithm.
 
 Both limiters get the same ``ManualClock`` through ``clock=``, so both see the same instants. A
-naive model written from the documented semantics (count the admitted units whose time is in
-``(now - window, now]``) is a third opinion, so a bug shared by the two mirrored
-implementations cannot hide.
+naive model written from the documented semantics of each algorithm is a third opinion, so a
+bug shared by the two mirrored implementations cannot hide:
+
+* sliding_log: count the admitted units whose time is in ``(now - window, now]``;
+* fixed_window and sliding_window: the admitted units of each epoch-aligned window, from the
+  history of admissions, put through the documented formula in exact fractions;
+* gcra: the theoretical arrival time as an exact fraction of a millisecond;
+* concurrency: the leases held, each with its expiry.
+
+On top of that, invariants that follow from each algorithm's definition are checked on the
+history of what was admitted (e.g. a fixed window never admits more than its limit).
+
+The limiters under test decide with the store alone: no deny cache (its own property is below),
+failure mode ``raise`` (a store error must fail the test, not turn into a degraded decision),
+generous timeouts and a breaker that ignores slow calls, so a loaded machine cannot change an
+outcome.
 
 Limiters are built inside the test body: Hypothesis runs many examples per fixture instance,
-and each example needs fresh state (a fresh key prefix, a fresh memory store).
+and each example needs fresh state (a fresh key prefix, a fresh memory store). A server's keys
+expire in real time while the clock here is manual, so every key must outlive the example: the
+shortest TTL is the 1 s margin, and each example must run well within it (a few ms per call).
 """
 
 from __future__ import annotations
@@ -16,21 +32,86 @@ import asyncio
 import itertools
 import math
 from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from fractions import Fraction
+from typing import Any
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import strategies as st
 
-from ratekeeper import AsyncLimiter, Decision, Limiter, ManualClock, Policy
+from ratekeeper import AsyncLimiter, CircuitBreaker, Decision, Limiter, ManualClock, Policy, Rate
 from ratekeeper._keys import Identity, identity_bytes
 
 from .servers import RedisServer
-from .strategies import START, Advance, Hit, Peek, Reset, Scenario, scenarios
+from .strategies import (
+    ALGORITHM_CASES,
+    BOUNDARY_CASES,
+    START,
+    Acquire,
+    Advance,
+    AlgorithmOp,
+    AlgorithmScenario,
+    Boundary,
+    Hit,
+    Peek,
+    Release,
+    Reset,
+    Scenario,
+    WaitRetry,
+    algorithm_scenarios,
+    boundary_scenarios,
+    burst_of,
+    scenarios,
+)
 
 _prefixes = itertools.count()
 
 
 def fresh_prefix() -> str:
     return f"prop{next(_prefixes)}"
+
+
+def exact_options(url: str) -> dict[str, Any]:
+    """Options under which the store alone decides every call (see the module docstring)."""
+    options: dict[str, Any] = {
+        "deny_cache": 0,
+        "failure_mode": "raise",
+        "breaker": CircuitBreaker(slow_call=60.0),
+    }
+    if not url.startswith("memory://"):
+        options.update(timeout=10.0, connect_timeout=10.0)
+    return options
+
+
+#: One rate's part of a decision: (rate, remaining, reset in us, retry in us: None when this
+#: rate admits, math.inf when it never can).
+Row = tuple[Rate, int, int, float | None]
+
+
+def pick(policy: Policy, allowed: bool, rows: list[Row]) -> Decision:
+    """The decision the documented choice of rate makes of ``rows``."""
+    if allowed:
+        # The rate with the fewest units left; ties: the longest reset, then the first.
+        best = max(rows, key=lambda r: (-r[1], r[2]))
+    else:
+        # The denying rate with the longest wait; ties: the longest reset, then the first.
+        best = max((r for r in rows if r[3] is not None), key=lambda r: (r[3], r[2]))
+    rate, remaining, reset, retry = best
+    return Decision(
+        allowed=allowed,
+        limit=rate.limit,
+        remaining=remaining,
+        reset_after=reset / 1_000_000,
+        retry_after=None if retry is None else retry / 1_000_000,
+        policy=policy.name,
+        rate=rate,
+    )
+
+
+def state_key(policy: Policy, identity: Identity) -> tuple[str, bytes]:
+    return (policy.name, identity_bytes(identity))
 
 
 class Model:
@@ -40,19 +121,19 @@ class Model:
         self.logs: dict[tuple[str, bytes], list[int]] = defaultdict(list)
 
     def reset(self, policy: Policy, identity: Identity) -> None:
-        self.logs.pop((policy.name, identity_bytes(identity)), None)
+        self.logs.pop(state_key(policy, identity), None)
 
     def decide(
         self, policy: Policy, identity: Identity, cost: int, now: int, *, peek: bool
     ) -> Decision:
-        log = self.logs[(policy.name, identity_bytes(identity))]
+        log = self.logs[state_key(policy, identity)]
         windows = [sorted(t for t in log if t > now - rate.period_us) for rate in policy.rates]
         allowed = all(
             len(inside) + cost <= rate.limit
             for rate, inside in zip(policy.rates, windows, strict=True)
         )
         consume = allowed and not peek
-        rows = []
+        rows: list[Row] = []
         for rate, inside in zip(policy.rates, windows, strict=True):
             count, limit, window = len(inside), rate.limit, rate.period_us
             used = count + cost if consume else count
@@ -67,22 +148,7 @@ class Model:
             rows.append((rate, max(limit - used, 0), reset, retry))
         if consume:
             log.extend([now] * cost)
-        if allowed:
-            # The rate with the fewest units left; ties: the longest reset, then the first.
-            best = max(rows, key=lambda r: (-r[1], r[2]))
-        else:
-            # The denying rate with the longest wait; ties: the longest reset, then the first.
-            best = max((r for r in rows if r[3] is not None), key=lambda r: (r[3], r[2]))
-        rate, remaining, reset, retry = best
-        return Decision(
-            allowed=allowed,
-            limit=rate.limit,
-            remaining=remaining,
-            reset_after=reset / 1_000_000,
-            retry_after=None if retry is None else retry / 1_000_000,
-            policy=policy.name,
-            rate=rate,
-        )
+        return pick(policy, allowed, rows)
 
 
 def check_invariants(decision: Decision, policy: Policy, cost: int) -> None:
@@ -164,8 +230,12 @@ def test_memory_and_server_agree(server: RedisServer, scenario: Scenario) -> Non
     run = Run(scenario)
     prefix = fresh_prefix()
     with (
-        Limiter.from_url("memory://", key_prefix=prefix, clock=run.clock) as memory,
-        Limiter.from_url(server.url, key_prefix=prefix, clock=run.clock) as remote,
+        Limiter.from_url(
+            "memory://", key_prefix=prefix, clock=run.clock, **exact_options("memory://")
+        ) as memory,
+        Limiter.from_url(
+            server.url, key_prefix=prefix, clock=run.clock, **exact_options(server.url)
+        ) as remote,
     ):
         run_sync(scenario, memory, remote, run)
 
@@ -173,8 +243,12 @@ def test_memory_and_server_agree(server: RedisServer, scenario: Scenario) -> Non
 async def run_async(scenario: Scenario, url: str, run: Run) -> None:
     prefix = fresh_prefix()
     async with (
-        AsyncLimiter.from_url("memory://", key_prefix=prefix, clock=run.clock) as memory,
-        AsyncLimiter.from_url(url, key_prefix=prefix, clock=run.clock) as remote,
+        AsyncLimiter.from_url(
+            "memory://", key_prefix=prefix, clock=run.clock, **exact_options("memory://")
+        ) as memory,
+        AsyncLimiter.from_url(
+            url, key_prefix=prefix, clock=run.clock, **exact_options(url)
+        ) as remote,
     ):
         for step, op in enumerate(scenario.ops):
             if isinstance(op, Advance):
@@ -212,7 +286,9 @@ def test_memory_matches_model_without_server(scenario: Scenario) -> None:
     """The reference alone against the model, with the key expiry of the memory keyspace
     driven by the manual clock (a server's keys expire in real time instead)."""
     run = Run(scenario)
-    with Limiter.from_url("memory://", key_prefix=fresh_prefix(), clock=run.clock) as memory:
+    with Limiter.from_url(
+        "memory://", key_prefix=fresh_prefix(), clock=run.clock, **exact_options("memory://")
+    ) as memory:
         for step, op in enumerate(scenario.ops):
             if isinstance(op, Advance):
                 run.advance(op)
@@ -224,3 +300,613 @@ def test_memory_matches_model_without_server(scenario: Scenario) -> None:
                 identity = scenario.identities[op.identity]
                 method = memory.hit if isinstance(op, Hit) else memory.peek
                 assert method(policy, identity, op.cost) == run.expect(op), f"step {step}: {op}"
+
+
+# == every algorithm =========================================================================
+#
+# Models: each decides from its own record of what was admitted, in exact arithmetic.
+
+
+class History:
+    """What each (policy, identity) had admitted, as (time in us, cost), since its reset."""
+
+    def __init__(self) -> None:
+        self.admitted: dict[tuple[str, bytes], list[tuple[int, int]]] = defaultdict(list)
+
+    def reset(self, policy: Policy, identity: Identity) -> None:
+        self.admitted.pop(state_key(policy, identity), None)
+
+
+class FixedWindowModel(History):
+    """A count per epoch-aligned window ``[k W, (k + 1) W)``; older windows count nothing."""
+
+    def decide(
+        self, policy: Policy, identity: Identity, cost: int, now: int, *, peek: bool
+    ) -> Decision:
+        admitted = self.admitted[state_key(policy, identity)]
+        counted = []
+        for rate in policy.rates:
+            start = now - now % rate.period_us
+            counted.append((start, sum(c for t, c in admitted if t >= start)))
+        allowed = all(
+            count + cost <= rate.limit
+            for rate, (_, count) in zip(policy.rates, counted, strict=True)
+        )
+        consume = allowed and not peek
+        rows: list[Row] = []
+        for rate, (start, count) in zip(policy.rates, counted, strict=True):
+            used = count + cost if consume else count
+            ends = start + rate.period_us
+            retry: float | None = None
+            if count + cost > rate.limit:
+                retry = math.inf if cost > rate.limit else ends - now
+            rows.append((rate, max(rate.limit - used, 0), ends - now if used > 0 else 0, retry))
+        if consume:
+            admitted.append((now, cost))
+        return pick(policy, allowed, rows)
+
+
+class SlidingWindowModel(History):
+    """The documented estimate ``prev * (W - e) / W + curr`` in exact fractions, ``e`` the
+    whole milliseconds elapsed in the current aligned window, ``prev`` and ``curr`` the units
+    admitted in the previous and current aligned windows."""
+
+    def decide(
+        self, policy: Policy, identity: Identity, cost: int, now: int, *, peek: bool
+    ) -> Decision:
+        admitted = self.admitted[state_key(policy, identity)]
+        states = []
+        for rate in policy.rates:
+            window, wms = rate.period_us, rate.period_ms
+            start = now - now % window
+            curr = sum(c for t, c in admitted if t >= start)
+            prev = sum(c for t, c in admitted if start - window <= t < start)
+            elapsed_ms = (now - start) // 1000
+            weight = Fraction(prev * (wms - elapsed_ms), wms)
+            states.append((start, curr, prev, weight))
+        allowed = all(
+            weight + curr + cost <= rate.limit
+            for rate, (_, curr, _, weight) in zip(policy.rates, states, strict=True)
+        )
+        consume = allowed and not peek
+        rows: list[Row] = []
+        for rate, (start, curr, prev, weight) in zip(policy.rates, states, strict=True):
+            limit, window, wms = rate.limit, rate.period_us, rate.period_ms
+            used = curr + cost if consume else curr
+            remaining = max(math.floor(limit - used - weight), 0)
+            if used > 0:
+                reset = start + 2 * window - now  # counted now, weighted through the next window
+            elif prev > 0:
+                reset = start + window - now
+            else:
+                reset = 0
+            retry: float | None = None
+            if cost > limit:
+                retry = math.inf
+            elif weight + curr + cost > limit:
+                if curr + cost <= limit:
+                    # Later in this window: the first whole ms e' where the weight fits.
+                    at = math.ceil(wms - Fraction((limit - curr - cost) * wms, prev))
+                    retry = start + at * 1000 - now
+                else:
+                    # In the next window, where this window's count becomes the previous one.
+                    at = math.ceil(wms - Fraction((limit - cost) * wms, curr))
+                    retry = start + window + at * 1000 - now
+            rows.append((rate, remaining, reset, retry))
+        if consume:
+            admitted.append((now, cost))
+        return pick(policy, allowed, rows)
+
+
+class GcraModel(History):
+    """The theoretical arrival time (TAT) per rate as an exact fraction of a millisecond, with
+    emission interval ``T = period / limit``, burst ``B``, and time ``t`` in whole ms: a cost
+    ``c`` fits when ``max(TAT, t) + c T - t <= B T``, and admitting it sets ``TAT`` to
+    ``max(TAT, t) + c T``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tats: dict[tuple[str, bytes], dict[int, Fraction]] = defaultdict(dict)
+
+    def reset(self, policy: Policy, identity: Identity) -> None:
+        super().reset(policy, identity)
+        self.tats.pop(state_key(policy, identity), None)
+
+    def decide(
+        self, policy: Policy, identity: Identity, cost: int, now: int, *, peek: bool
+    ) -> Decision:
+        tats = self.tats[state_key(policy, identity)]
+        t = now // 1000
+        states = []
+        for i, rate in enumerate(policy.rates):
+            interval = Fraction(rate.period_ms, rate.limit)
+            tat = tats.get(i)
+            ahead = max(tat - t, Fraction(0)) if tat is not None else Fraction(0)
+            states.append((interval, burst_of(policy, i), ahead))
+        allowed = all(ahead + cost * tau <= burst * tau for tau, burst, ahead in states)
+        consume = allowed and not peek
+        rows: list[Row] = []
+        for i, (rate, (tau, burst, ahead)) in enumerate(zip(policy.rates, states, strict=True)):
+            after = ahead + cost * tau if consume else ahead
+            remaining = max(math.floor(burst - after / tau), 0)
+            reset = max(math.ceil((t + after) * 1000) - now, 0) if after > 0 else 0
+            retry: float | None = None
+            if cost > burst:
+                retry = math.inf
+            elif ahead + cost * tau > burst * tau:
+                retry = math.ceil(t + ahead + cost * tau - burst * tau) * 1000 - now
+            rows.append((rate, remaining, reset, retry))
+            if consume:
+                tats[i] = t + after
+        if consume:
+            self.admitted[state_key(policy, identity)].append((now, cost))
+        return pick(policy, allowed, rows)
+
+
+@dataclass
+class ModelLease:
+    key: tuple[str, bytes]
+    expires: int
+    cost: int
+    held: bool
+
+
+class ConcurrencyModel(History):
+    """Leases: at most ``limit`` units held at once; a lease expires ``period`` after it was
+    taken; releasing a lease that is still held frees it and says so."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.leases: list[ModelLease] = []
+
+    def reset(self, policy: Policy, identity: Identity) -> None:
+        for lease in self.leases:
+            if lease.key == state_key(policy, identity):
+                lease.held = False
+
+    def live(self, key: tuple[str, bytes], now: int) -> list[ModelLease]:
+        return [x for x in self.leases if x.key == key and x.held and x.expires > now]
+
+    def acquire(
+        self, policy: Policy, identity: Identity, cost: int, now: int, *, peek: bool
+    ) -> tuple[Decision, ModelLease]:
+        (rate,) = policy.rates
+        key = state_key(policy, identity)
+        live = self.live(key, now)
+        count = sum(x.cost for x in live)
+        allowed = count + cost <= rate.limit
+        retry: float | None = None
+        if cost > rate.limit:
+            retry = math.inf
+        elif not allowed:
+            # The units in excess of the limit must expire first, earliest first.
+            units = sorted(x.expires for x in live for _ in range(x.cost))
+            retry = units[count + cost - rate.limit - 1] - now
+        lease = ModelLease(key, now + rate.period_us, cost, held=allowed and not peek)
+        if lease.held:
+            self.leases.append(lease)
+            live.append(lease)
+        used = sum(x.cost for x in live)
+        reset = max(x.expires for x in live) - now if live else 0
+        return pick(policy, allowed, [(rate, max(rate.limit - used, 0), reset, retry)]), lease
+
+    def decide(
+        self, policy: Policy, identity: Identity, cost: int, now: int, *, peek: bool
+    ) -> Decision:
+        return self.acquire(policy, identity, cost, now, peek=peek)[0]
+
+    @staticmethod
+    def release(lease: ModelLease, now: int) -> bool:
+        held = lease.held and lease.expires > now
+        lease.held = False
+        return held
+
+
+AnyModel = Model | FixedWindowModel | SlidingWindowModel | GcraModel | ConcurrencyModel
+
+MODELS: dict[str, Callable[[], AnyModel]] = {
+    "sliding_log": Model,
+    "fixed_window": FixedWindowModel,
+    "sliding_window": SlidingWindowModel,
+    "gcra": GcraModel,
+    "token_bucket": GcraModel,
+    "concurrency": ConcurrencyModel,
+}
+
+
+# Invariants that follow from each algorithm's definition, on what was actually admitted.
+
+
+def check_decision(decision: Decision, policy: Policy, cost: int) -> None:
+    """Bounds every decision of ``policy`` keeps, per algorithm."""
+    algorithm = policy.algorithm
+    gcra = algorithm in ("gcra", "token_bucket")
+    assert decision.policy == policy.name
+    assert decision.rate in policy.rates
+    assert decision.limit == decision.rate.limit
+    assert not decision.degraded
+    assert decision.reason is None
+    index = policy.rates.index(decision.rate)
+    rate = decision.rate
+    burst = burst_of(policy, index) if gcra else rate.limit
+    assert 0 <= decision.remaining <= burst
+    if gcra:
+        # Nothing stays stored longer than the burst's worth of emission intervals.
+        longest = math.ceil(Fraction(burst * rate.period_us, rate.limit)) / 1_000_000
+    elif algorithm == "sliding_window":
+        longest = 2 * rate.period  # counted now, weighted through the next window
+    else:
+        longest = rate.period
+    assert 0 <= decision.reset_after <= longest
+    capacities = [burst_of(policy, i) if gcra else r.limit for i, r in enumerate(policy.rates)]
+    if decision.allowed:
+        assert decision.retry_after is None
+    elif cost > min(capacities):
+        assert decision.retry_after == math.inf
+    else:
+        assert decision.retry_after is not None
+        assert 0 < decision.retry_after <= longest + (0.001 if gcra else 0)
+
+
+def check_history(policy: Policy, admitted: list[tuple[int, int]]) -> None:
+    """What one identity had admitted since its last reset, against the algorithm's promise."""
+    algorithm = policy.algorithm
+    for index, rate in enumerate(policy.rates):
+        if algorithm == "sliding_log":
+            # No window (t - W, t] ever holds more than the limit.
+            for t, _ in admitted:
+                inside = sum(c for u, c in admitted if t - rate.period_us < u <= t)
+                assert inside <= rate.limit, (rate, t, admitted)
+        elif algorithm in ("fixed_window", "sliding_window"):
+            # Both count per aligned window, and neither admits more than the limit in one.
+            per_window: dict[int, int] = defaultdict(int)
+            for t, cost in admitted:
+                per_window[t // rate.period_us] += cost
+            assert max(per_window.values(), default=0) <= rate.limit, (rate, dict(per_window))
+        elif algorithm in ("gcra", "token_bucket"):
+            # Between any two admissions, at t_i <= t_j in whole ms, the admitted cost is at
+            # most burst + floor((t_j - t_i) * limit / period_ms): the TAT advances by the
+            # cost times T = period / limit and can run at most burst * T ahead of the clock.
+            burst = burst_of(policy, index)
+            for i in range(len(admitted)):
+                total = 0
+                for j in range(i, len(admitted)):
+                    total += admitted[j][1]
+                    elapsed_ms = admitted[j][0] // 1000 - admitted[i][0] // 1000
+                    bound = burst + elapsed_ms * rate.limit // rate.period_ms
+                    assert total <= bound, (rate, burst, admitted[i : j + 1])
+
+
+def set_clock_us(clock: ManualClock, us: int) -> None:
+    """Set ``clock`` to a float that the core reads as exactly ``us`` microseconds."""
+    seconds = us / 1_000_000
+    while int(seconds * 1_000_000) < us:
+        seconds = math.nextafter(seconds, math.inf)
+    while int(seconds * 1_000_000) > us:
+        seconds = math.nextafter(seconds, -math.inf)
+    clock.set(seconds)
+    assert int(clock() * 1_000_000) == us
+
+
+class Replies:
+    """A storage wrapper keeping every raw script reply, so that the two sides can be compared
+    on every rate, not only on the one a decision reports."""
+
+    def __init__(self, storage: Any) -> None:
+        self.storage = storage
+        self.replies: list[list[int]] = []
+
+    def run(self, script: Any, keys: tuple[str, ...], args: tuple[int | str, ...]) -> list[int]:
+        reply = [int(value) for value in self.storage.run(script, keys, args)]
+        self.replies.append(reply)
+        return reply
+
+    def delete(self, keys: tuple[str, ...]) -> None:
+        self.storage.delete(keys)
+
+    def close(self) -> None:
+        self.storage.close()
+
+
+class AsyncReplies(Replies):
+    async def run(  # type: ignore[override]
+        self, script: Any, keys: tuple[str, ...], args: tuple[int | str, ...]
+    ) -> list[int]:
+        reply = [int(value) for value in await self.storage.run(script, keys, args)]
+        self.replies.append(reply)
+        return reply
+
+    async def delete(self, keys: tuple[str, ...]) -> None:  # type: ignore[override]
+        await self.storage.delete(keys)
+
+    async def close(self) -> None:  # type: ignore[override]
+        await self.storage.close()
+
+
+class Side:
+    """One limiter under test, driven blockingly whichever its API."""
+
+    def __init__(self, url: str, prefix: str, clock: ManualClock, loop: Any = None) -> None:
+        self.loop = loop
+        options = exact_options(url)
+        if loop is None:
+            self.limiter: Any = Limiter.from_url(url, key_prefix=prefix, clock=clock, **options)
+            self.replies = Replies(self.limiter.storage)
+        else:
+            self.limiter = AsyncLimiter.from_url(url, key_prefix=prefix, clock=clock, **options)
+            self.replies = AsyncReplies(self.limiter.storage)
+        self.limiter.storage = self.replies
+
+    def _do(self, result: Any) -> Any:
+        return result if self.loop is None else self.loop.run_until_complete(result)
+
+    def hit(self, policy: Policy, identity: Identity, cost: int) -> Decision:
+        return self._do(self.limiter.hit(policy, identity, cost))  # type: ignore[no-any-return]
+
+    def peek(self, policy: Policy, identity: Identity, cost: int) -> Decision:
+        return self._do(self.limiter.peek(policy, identity, cost))  # type: ignore[no-any-return]
+
+    def reset(self, policy: Policy, identity: Identity) -> None:
+        self._do(self.limiter.reset(policy, identity))
+
+    def acquire(self, policy: Policy, identity: Identity, cost: int) -> Any:
+        acquiring = self.limiter.acquire(policy, identity, cost)
+        if self.loop is None:
+            return acquiring
+
+        async def take() -> Any:
+            return await acquiring
+
+        return self.loop.run_until_complete(take())
+
+    def release(self, lease: Any) -> bool:
+        return bool(self._do(lease.release()))
+
+    def close(self) -> None:
+        self._do(self.limiter.close())
+
+
+@dataclass
+class Granted:
+    """A lease that was granted, as the test saw it (not the model)."""
+
+    key: tuple[str, bytes]
+    expires: int
+    cost: int
+    released: bool = False  # by the test, through the Lease
+    cleared: bool = False  # by a reset of its identity
+
+
+class AlgorithmRun:
+    """Replays one scenario on a memory and a server limiter and checks every step against
+    each other, the model and the invariants."""
+
+    def __init__(self, scenario: AlgorithmScenario, algorithm: str) -> None:
+        self.scenario = scenario
+        self.clock = ManualClock(START)
+        self.now = int(START * 1_000_000)
+        set_clock_us(self.clock, self.now)
+        self.model = MODELS[algorithm]()
+        self.last_retry: int | None = None
+        self.admitted: dict[tuple[str, bytes], list[tuple[int, int]]] = defaultdict(list)
+        self.leases: list[tuple[Any, Any, ModelLease, Granted | None]] = []
+        self.granted: list[Granted] = []
+
+    def move(self, op: AlgorithmOp) -> bool:
+        """Apply ``op`` if it moves the clock; whether it did."""
+        if isinstance(op, Advance):
+            self.now += op.us
+        elif isinstance(op, Boundary):
+            self.now = max(self.now, (self.now // op.period_us + 1) * op.period_us + op.nudge_us)
+        elif isinstance(op, WaitRetry):
+            if self.last_retry is not None:
+                self.now += max(self.last_retry + op.nudge_us, 0)
+        else:
+            return False
+        set_clock_us(self.clock, self.now)
+        return True
+
+    def held_units(self, key: tuple[str, bytes]) -> int:
+        return sum(
+            g.cost
+            for g in self.granted
+            if g.key == key and not (g.released or g.cleared) and g.expires > self.now
+        )
+
+    def play(self, memory: Side, remote: Side) -> None:
+        for step, op in enumerate(self.scenario.ops):
+            where = f"step {step}: {op}"
+            if self.move(op):
+                continue
+            if isinstance(op, Release):
+                self.release(op, memory, remote, where)
+            elif isinstance(op, Reset):
+                self.reset(op, memory, remote)
+            else:
+                self.call(op, memory, remote, where)
+
+    def reset(self, op: Reset, memory: Side, remote: Side) -> None:
+        policy = self.scenario.policies[op.policy]
+        identity = self.scenario.identities[op.identity]
+        memory.reset(policy, identity)
+        remote.reset(policy, identity)
+        self.model.reset(policy, identity)
+        key = state_key(policy, identity)
+        self.admitted.pop(key, None)
+        for granted in self.granted:
+            if granted.key == key:
+                granted.cleared = True
+
+    def call(self, op: Hit | Peek | Acquire, memory: Side, remote: Side, where: str) -> None:
+        policy = self.scenario.policies[op.policy]
+        identity = self.scenario.identities[op.identity]
+        key = state_key(policy, identity)
+        if isinstance(op, Acquire):
+            assert isinstance(self.model, ConcurrencyModel)
+            on_memory_lease = memory.acquire(policy, identity, op.cost)
+            on_server_lease = remote.acquire(policy, identity, op.cost)
+            on_memory, on_server = on_memory_lease.decision, on_server_lease.decision
+            expected, model_lease = self.model.acquire(
+                policy, identity, op.cost, self.now, peek=False
+            )
+            for side_lease in (on_memory_lease, on_server_lease):
+                assert side_lease.allowed == side_lease.decision.allowed, where
+                assert side_lease.held == side_lease.allowed, where
+        else:
+            method = "hit" if isinstance(op, Hit) else "peek"
+            on_memory = getattr(memory, method)(policy, identity, op.cost)
+            on_server = getattr(remote, method)(policy, identity, op.cost)
+            expected = self.model.decide(
+                policy, identity, op.cost, self.now, peek=isinstance(op, Peek)
+            )
+        assert remote.replies.replies[-1] == memory.replies.replies[-1], where
+        assert on_server == on_memory, where
+        assert on_memory == expected, where
+        check_decision(on_memory, policy, op.cost)
+        if not on_memory.allowed and on_memory.retry_after != math.inf:
+            assert on_memory.retry_after is not None
+            self.last_retry = round(on_memory.retry_after * 1_000_000)
+        if on_memory.allowed and isinstance(op, Hit):
+            self.admitted[key].append((self.now, op.cost))
+            check_history(policy, self.admitted[key])
+        if isinstance(op, Acquire):
+            granted = None
+            if on_memory.allowed:
+                (rate,) = policy.rates
+                granted = Granted(key, self.now + rate.period_us, op.cost)
+                self.granted.append(granted)
+            self.leases.append((on_memory_lease, on_server_lease, model_lease, granted))
+            # Never more units held than the limit, whatever was released or expired.
+            assert self.held_units(key) <= policy.rates[0].limit, where
+
+    def release(self, op: Release, memory: Side, remote: Side, where: str) -> None:
+        if not self.leases:
+            return
+        index = op.lease % len(self.leases)
+        on_memory_lease, on_server_lease, model_lease, granted = self.leases[index]
+        assert isinstance(self.model, ConcurrencyModel)
+        before = len(memory.replies.replies), len(remote.replies.replies)
+        on_memory = memory.release(on_memory_lease)
+        on_server = remote.release(on_server_lease)
+        # A lease never granted, or released already, answers without asking the store.
+        calls = len(memory.replies.replies) - before[0], len(remote.replies.replies) - before[1]
+        asks = granted is not None and not granted.released
+        assert calls[0] == calls[1] == (1 if asks else 0), where
+        if calls[0]:
+            assert remote.replies.replies[-1] == memory.replies.replies[-1], where
+        assert on_server is on_memory, where
+        assert on_memory is self.model.release(model_lease, self.now), where
+        assert not on_memory_lease.held, where
+        assert not on_server_lease.held, where
+        if granted is not None:
+            granted.released = True
+
+
+ALGORITHM_SETTINGS = settings(
+    max_examples=100,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
+    # No "explain" phase: it replays the failing example many times over, against a server.
+    phases=[Phase.explicit, Phase.reuse, Phase.generate, Phase.target, Phase.shrink],
+)
+
+
+def play(scenario: AlgorithmScenario, algorithm: str, url: str, *, loop: Any = None) -> None:
+    run = AlgorithmRun(scenario, algorithm)
+    prefix = fresh_prefix()
+    memory = Side("memory://", prefix, run.clock, loop)
+    try:
+        remote = Side(url, prefix, run.clock, loop)
+        try:
+            run.play(memory, remote)
+        finally:
+            remote.close()
+    finally:
+        memory.close()
+
+
+def algorithm_of(case: str) -> str:
+    return "gcra" if case == "gcra_burst" else case
+
+
+@SHRINK_TIMEOUT
+@pytest.mark.parametrize("case", ["sliding_log", *ALGORITHM_CASES])
+@ALGORITHM_SETTINGS
+@given(data=st.data())
+def test_every_algorithm_memory_server_and_model_agree(
+    server: RedisServer, case: str, data: st.DataObject
+) -> None:
+    """For each algorithm and server flavor: the reference and the script return the same
+    replies and decisions at every step, the model agrees, and the invariants hold. The ops
+    include sub-millisecond steps, window starts and the exact instant a denial named."""
+    scenario = data.draw(algorithm_scenarios(case), label="scenario")
+    play(scenario, algorithm_of(case), server.url)
+
+
+@SHRINK_TIMEOUT
+@pytest.mark.parametrize("case", ALGORITHM_CASES)
+@settings(ALGORITHM_SETTINGS, max_examples=12)
+@given(data=st.data())
+def test_every_algorithm_agrees_through_the_async_api(
+    servers: dict[str, RedisServer], case: str, data: st.DataObject
+) -> None:
+    """The same through AsyncLimiter (its lease is awaited and released as a coroutine)."""
+    server = servers.get("valkey") or next(iter(servers.values()))
+    scenario = data.draw(algorithm_scenarios(case, max_ops=25), label="scenario")
+    loop = asyncio.new_event_loop()
+    try:
+        play(scenario, algorithm_of(case), server.url, loop=loop)
+    finally:
+        loop.close()
+
+
+@SHRINK_TIMEOUT
+@pytest.mark.parametrize("case", BOUNDARY_CASES)
+@settings(ALGORITHM_SETTINGS, max_examples=100)
+@given(data=st.data())
+def test_validation_bounds_are_exact(server: RedisServer, case: str, data: st.DataObject) -> None:
+    """Limits, bursts and costs at the bounds each policy check allows (sliding_window
+    limit x period_ms <= 2**53, gcra burst x period_ms <= 2**52, counter limits up to 2**52): the
+    script's arithmetic in Lua doubles must still be exact, as the reference's is."""
+    scenario = data.draw(boundary_scenarios(case), label="scenario")
+    play(scenario, algorithm_of(case), server.url)
+
+
+# == the deny cache ==========================================================================
+
+
+@SHRINK_TIMEOUT
+@pytest.mark.parametrize(
+    "case", ["sliding_log", *(case for case in ALGORITHM_CASES if case != "concurrency")]
+)
+@settings(ALGORITHM_SETTINGS, max_examples=100)
+@given(data=st.data())
+def test_deny_cache_never_changes_a_decision(case: str, data: st.DataObject) -> None:
+    """A limiter with its deny cache (the default) decides exactly as one without: a cached
+    denial is labelled ``reason='deny_cache'`` and is otherwise the store's decision, with the
+    same exact retry_after (math.inf for a cost no rate can ever admit)."""
+    scenario = data.draw(algorithm_scenarios(case, max_policies=1), label="scenario")
+    run = AlgorithmRun(scenario, algorithm_of(case))
+    options = {"clock": run.clock, "failure_mode": "raise"}
+    with (
+        Limiter.from_url("memory://", **options) as cached,
+        Limiter.from_url("memory://", deny_cache=0, **options) as exact,
+    ):
+        for step, op in enumerate(scenario.ops):
+            if run.move(op):
+                continue
+            assert isinstance(op, (Hit, Peek, Reset))
+            policy = scenario.policies[op.policy]
+            identity = scenario.identities[op.identity]
+            if isinstance(op, Reset):
+                cached.reset(policy, identity)
+                exact.reset(policy, identity)
+                continue
+            method = "hit" if isinstance(op, Hit) else "peek"
+            got = getattr(cached, method)(policy, identity, op.cost)
+            want = getattr(exact, method)(policy, identity, op.cost)
+            assert got.reason in (None, "deny_cache"), f"step {step}: {op}"
+            assert replace(got, reason=None) == want, f"step {step}: {op}"
+            if not want.allowed and want.retry_after != math.inf:
+                assert want.retry_after is not None
+                run.last_retry = round(want.retry_after * 1_000_000)

@@ -39,8 +39,11 @@ log = logging.getLogger("ratekeeper")
 
 DEFAULT_DENY_CACHE_SIZE = 10_000
 
-#: Algorithms whose retry_after stays exact whatever other clients do (they can only add load).
-#: Concurrency leases can be released early, so a cached denial could be wrong there.
+#: Algorithms whose retry_after is a lower bound of the true wait whatever other clients do
+#: (they can only add load), and exact when no one else hits the key. Concurrency leases can
+#: be released early, so a cached denial could outlast the real one there. Only denials of
+#: cost 1 are cached: until such a hit fits, nothing about its decision changes but the clock
+#: (a larger cost's ``remaining`` can grow while it still does not fit).
 _CACHEABLE = frozenset({"sliding_log", "sliding_window", "fixed_window", "gcra", "token_bucket"})
 
 
@@ -95,7 +98,8 @@ class _DenyCache:
                 if self._entries.get(key) is entry:
                     del self._entries[key]
             return None
-        if cost < denied_cost:
+        if cost != denied_cost:
+            # Only the same cost has the same wait: a larger one may need longer, or never fit.
             return None
         reset = max(round(decision.reset_after * 1_000_000) - (now - at), 0)
         return replace(
@@ -118,6 +122,12 @@ class _DenyCache:
     def forget(self, keys: tuple[str, ...]) -> None:
         with self._lock:
             for key in keys:
+                self._entries.pop(key, None)
+
+    def discard(self, key: str) -> None:
+        """Drop ``key``'s entry (after an admission changed its state), if there is one."""
+        if key in self._entries:
+            with self._lock:
                 self._entries.pop(key, None)
 
 
@@ -186,10 +196,13 @@ class Guard:
         self.breaker.record(True, elapsed)
         self.metrics.store_call(elapsed, True)
         decision = self.core.decide(call, reply)
-        if (
+        if self._deny is not None and decision.allowed and call.mode == HIT:
+            self._deny.discard(call.keys[0])
+        elif (
             self._deny is not None
             and not decision.allowed
             and call.mode == HIT
+            and call.cost == 1
             and call.policy.algorithm in _CACHEABLE
         ):
             # With client time the decision was made at the time we sent; with the store's

@@ -9,10 +9,14 @@ from dataclasses import dataclass
 
 from ._errors import ConfigError
 
-__all__ = ["MAX_INT", "Rate", "parse_rates"]
+__all__ = ["MAX_INT", "MAX_SPAN_US", "Rate", "parse_rates"]
 
 #: Largest integer a Lua number (an IEEE double) holds exactly.
 MAX_INT = 2**53
+
+#: Longest period and refill horizon, in microseconds (about 71 years): times in the scripts are
+#: epoch microseconds plus at most twice this, and must stay below 2**53.
+MAX_SPAN_US = 2**51
 
 _UNITS: dict[str, int] = {}
 for _names, _ms in (
@@ -57,8 +61,8 @@ class Rate:
             raise ConfigError(
                 f"rate period must be a whole number of milliseconds, got {period!r} s"
             )
-        if round(ms) * 1000 > MAX_INT:
-            raise ConfigError(f"rate period is too long: {period!r} s")
+        if round(ms) * 1000 > MAX_SPAN_US:
+            raise ConfigError(f"rate period is too long (over 71 years): {period!r} s")
 
     @property
     def period_ms(self) -> int:
@@ -103,8 +107,8 @@ def _parse_one(text: str) -> Rate:
         raise ConfigError(f"rate {text!r}: the limit must be at most 2**53")
     if mult < 1:
         raise ConfigError(f"rate {text!r}: the period multiplier must be at least 1")
-    if mult * _UNITS[unit] * 1000 > MAX_INT:
-        raise ConfigError(f"rate {text!r}: the period is too long")
+    if mult * _UNITS[unit] * 1000 > MAX_SPAN_US:
+        raise ConfigError(f"rate {text!r}: the period is too long (over 71 years)")
     return Rate(limit, mult * _UNITS[unit] / 1000)
 
 

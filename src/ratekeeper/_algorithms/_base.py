@@ -25,6 +25,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from .._errors import ConfigError
 from .._keyspace import Keyspace
 
 if TYPE_CHECKING:
@@ -32,6 +33,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "HIT",
+    "MAX_COUNTER_LIMIT",
     "PEEK",
     "RELEASE",
     "RETRY_NEVER",
@@ -44,6 +46,11 @@ __all__ = [
 ]
 
 HIT, PEEK, RELEASE = 0, 1, 2
+
+#: The largest limit the O(1) counter scripts take. Lua numbers are doubles, exact only to
+#: 2**53; with limits up to 2**52 every sum of a count and a cost that can still be admitted
+#: stays below 2**53.
+MAX_COUNTER_LIMIT = 2**52
 RETRY_NONE = -1
 RETRY_NEVER = -2
 
@@ -112,3 +119,13 @@ class Algorithm:
     reference: Callable[[Keyspace, tuple[str, ...], Args], Reply]
     validate: Callable[[Policy], None]
     extra_args: Callable[[Policy], tuple[int, ...]] = lambda policy: ()
+
+
+def check_limits(policy: Policy, bound: int = MAX_COUNTER_LIMIT) -> None:
+    """Refuse limits above ``bound`` for exact arithmetic in the scripts' doubles."""
+    for rate in policy.rates:
+        if rate.limit > bound:
+            raise ConfigError(
+                f"policy {policy.name!r}: {policy.algorithm} takes limits up to {bound} for "
+                f"exact arithmetic in Lua (doubles), and {rate} exceeds it"
+            )

@@ -10,14 +10,14 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from .._keyspace import Keyspace
-from ._base import RETRY_NEVER, RETRY_NONE, Algorithm, Args, Reply
+from ._base import RETRY_NEVER, RETRY_NONE, Algorithm, Args, Reply, check_limits
 
 if TYPE_CHECKING:
     from .._policy import Policy
 
 
 def validate(policy: Policy) -> None:
-    """Any rates will do."""
+    check_limits(policy)
 
 
 def reference(keyspace: Keyspace, keys: tuple[str, ...], args: Args) -> Reply:

@@ -13,13 +13,16 @@ from typing import TYPE_CHECKING
 
 from .._errors import ConfigError
 from .._keyspace import Keyspace
-from ._base import RETRY_NEVER, RETRY_NONE, Algorithm, Args, Reply
+from .._rates import MAX_SPAN_US
+from ._base import RETRY_NEVER, RETRY_NONE, Algorithm, Args, Reply, check_limits
 
 if TYPE_CHECKING:
     from .._policy import Policy
 
 #: B * W_ms must stay below this so that every intermediate value is exact in a Lua double.
 _MAX_PRODUCT = 2**52
+#: reset_after is computed through remainder * 1000 + limit, which must stay below 2**53.
+_MAX_LIMIT = 2**53 // 1001
 
 
 def bursts(policy: Policy) -> tuple[int, ...]:
@@ -30,6 +33,7 @@ def bursts(policy: Policy) -> tuple[int, ...]:
 
 
 def validate(policy: Policy) -> None:
+    check_limits(policy, _MAX_LIMIT)
     if policy.burst is not None and len(policy.rates) > 1:
         raise ConfigError(
             f"policy {policy.name!r}: burst applies to a single-rate gcra policy; with several "
@@ -40,6 +44,11 @@ def validate(policy: Policy) -> None:
             raise ConfigError(
                 f"policy {policy.name!r}: gcra needs burst x period in ms <= 2**52 for exact "
                 f"arithmetic, and {rate} with burst {burst} exceeds it"
+            )
+        if burst * rate.period_us // rate.limit > MAX_SPAN_US:
+            raise ConfigError(
+                f"policy {policy.name!r}: a burst of {burst} at {rate} takes over 71 years to "
+                "refill; times that long do not fit the scripts' arithmetic"
             )
 
 

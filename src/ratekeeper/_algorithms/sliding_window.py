@@ -12,13 +12,14 @@ from typing import TYPE_CHECKING
 from .._errors import ConfigError
 from .._keyspace import Keyspace
 from .._rates import MAX_INT
-from ._base import RETRY_NEVER, RETRY_NONE, Algorithm, Args, Reply
+from ._base import RETRY_NEVER, RETRY_NONE, Algorithm, Args, Reply, check_limits
 
 if TYPE_CHECKING:
     from .._policy import Policy
 
 
 def validate(policy: Policy) -> None:
+    check_limits(policy)
     for rate in policy.rates:
         if rate.limit * rate.period_ms > MAX_INT:
             raise ConfigError(
