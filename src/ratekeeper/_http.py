@@ -169,6 +169,12 @@ def problem_body(decision: Decision) -> bytes:
     return json.dumps(problem, separators=(",", ":")).encode()
 
 
+def with_length(headers: Iterable[tuple[str, str]], body: bytes) -> list[tuple[str, str]]:
+    """``headers`` with exactly one Content-Length, the body's."""
+    kept = [(n, v) for n, v in headers if n.lower() != "content-length"]
+    return [*kept, ("Content-Length", str(len(body)))]
+
+
 def merge_headers(
     app_headers: Iterable[tuple[str, str]], ours: Sequence[tuple[str, str]]
 ) -> list[tuple[str, str]]:

@@ -34,6 +34,7 @@ from ._http import (
     match_rule,
     merge_headers,
     response_headers,
+    with_length,
 )
 from ._limiter import AsyncLimiter
 from ._policy import Policy
@@ -128,7 +129,10 @@ class RateLimitMiddleware:
             return
         decision = await self.limiter.hit(rule.policy, identity, rule.cost)
         headers = response_headers(decision, legacy=self.legacy_headers)
-        if not decision.allowed and not (self.shadow or rule.shadow):
+        blocked = not decision.allowed and not (self.shadow or rule.shadow)
+        if not blocked:
+            headers = [h for h in headers if h[0] != "Retry-After"]
+        if blocked:
             if kind == "websocket":
                 # Refuse the handshake: close before accepting (the server answers 403).
                 await send({"type": "websocket.close", "code": 1008})
@@ -156,8 +160,9 @@ def _with_headers(send: Send, headers: list[tuple[str, str]]) -> Send:
 
 
 async def _respond(send: Send, status: int, headers: list[tuple[str, str]], body: bytes) -> None:
-    raw = [(n.lower().encode("latin-1"), v.encode("latin-1")) for n, v in headers]
-    raw.append((b"content-length", str(len(body)).encode()))
+    raw = [
+        (n.lower().encode("latin-1"), v.encode("latin-1")) for n, v in with_length(headers, body)
+    ]
     await send({"type": "http.response.start", "status": status, "headers": raw})
     await send({"type": "http.response.body", "body": body})
 
@@ -188,7 +193,7 @@ def fastapi_dependency(
     rule = Rule("*", policy, key=key, cost=cost)
     key_func = key if key is not None else client_ip()
 
-    async def dependency(request: StarletteRequest, response: Response) -> Decision:
+    async def dependency(request: Any, response: Any) -> Decision:
         view = request_from_scope(request.scope)
         identity = key_func(view)
         if identity is None:
@@ -205,4 +210,11 @@ def fastapi_dependency(
             response.headers[name] = value
         return decision
 
+    # FastAPI reads these to inject the request and the response (string annotations from
+    # ``from __future__ import annotations`` would not resolve to the local imports).
+    dependency.__annotations__ = {
+        "request": StarletteRequest,
+        "response": Response,
+        "return": Decision,
+    }
     return dependency

@@ -82,6 +82,8 @@ class _ClientIP:
             raise ConfigError(f"trusted_proxies must be CIDRs or addresses: {exc}") from None
         if not isinstance(ipv6_prefix, int) or not 1 <= ipv6_prefix <= 128:
             raise ConfigError(f"ipv6_prefix must be 1..128, got {ipv6_prefix!r}")
+        if isinstance(max_hops, bool) or not isinstance(max_hops, int) or max_hops < 1:
+            raise ConfigError(f"max_hops must be an int >= 1, got {max_hops!r}")
         if header.lower() not in ("x-forwarded-for", "forwarded"):
             raise ConfigError(f"header must be 'x-forwarded-for' or 'forwarded', got {header!r}")
         self.ipv6_prefix = ipv6_prefix
@@ -141,14 +143,16 @@ def client_ip(
 def header(name: str, *, fallback: KeyFunc | None = None) -> KeyFunc:
     """An API key or token from header ``name``, hashed (the raw value is never kept).
 
-    A request without it gets ``fallback(request)`` (for example ``client_ip()``), or None.
+    Only the first value counts (up to the first comma, where a repeated header was joined), as
+    frameworks read it: extra copies cannot mint fresh identities for a valid key. A request
+    without it gets ``fallback(request)`` (for example ``client_ip()``), or None.
     """
     if not isinstance(name, str) or not name:
         raise ConfigError(f"header name must be a non-empty str, got {name!r}")
     lowered = name.lower()
 
     def key(request: Request) -> str | None:
-        value = request.headers.get(lowered)
+        value = request.headers.get(lowered, "").split(",", 1)[0].strip()
         if value:
             digest = blake2b(value.encode("utf-8", "surrogateescape"), digest_size=16)
             return f"{lowered}:{digest.hexdigest()}"

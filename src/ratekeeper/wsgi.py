@@ -28,6 +28,7 @@ from ._http import (
     match_rule,
     merge_headers,
     response_headers,
+    with_length,
 )
 from ._limiter import Limiter
 from ._policy import Policy
@@ -93,9 +94,12 @@ class RateLimitMiddleware:
             return self.app(environ, start_response)
         decision = self.limiter.hit(rule.policy, identity, rule.cost)
         headers = response_headers(decision, legacy=self.legacy_headers)
-        if not decision.allowed and not (self.shadow or rule.shadow):
+        blocked = not decision.allowed and not (self.shadow or rule.shadow)
+        if not blocked:
+            headers = [h for h in headers if h[0] != "Retry-After"]
+        if blocked:
             status, extra, body = self.denied(decision, request)
-            out = [*merge_headers(extra, headers), ("Content-Length", str(len(body)))]
+            out = with_length(merge_headers(extra, headers), body)
             start_response(f"{status} {_REASONS.get(status, 'Error')}", out)
             return [body]
         if not headers:

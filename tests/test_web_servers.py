@@ -1,0 +1,289 @@
+"""Real servers, real HTTP: uvicorn with two worker processes sharing one Redis/Valkey, and
+``ratekeeper demo --serve``.
+
+The uvicorn app is ``tests.web_apps:create_app`` (a Starlette API behind the ASGI middleware);
+it finds the store through an environment variable. All requests come from 127.0.0.1, so the
+identities are API keys. Each client thread opens a new connection per request, so both workers
+take part, which the ``X-Worker-Pid`` response header shows.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+
+import httpx
+import pytest
+import websockets.exceptions
+import websockets.sync.client
+
+from .servers import RedisServer, find_binaries, free_port
+from .web_apps import ENV_PREFIX, ENV_URL
+
+ROOT = Path(__file__).resolve().parent.parent
+FLAVORS = [binary.flavor for binary in find_binaries()]
+#: Seconds a server may take to come up on a loaded machine.
+STARTUP = 60.0
+THREADS = 8
+
+
+@dataclass(frozen=True)
+class Reply:
+    key: str | None  # the X-API-Key sent
+    status: int
+    headers: httpx.Headers
+    body: bytes
+
+
+@dataclass(frozen=True)
+class Served:
+    url: str
+    worker_pids: frozenset[str]
+
+
+def _log_text(log: IO[bytes]) -> str:
+    """What the server wrote so far. ``pread``: the server shares the file offset, which a
+    seek and read here would move under its writes."""
+    fd = log.fileno()
+    return os.pread(fd, os.fstat(fd).st_size, 0).decode(errors="replace")
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> int:
+    """Terminate gracefully; kill the whole session if it does not go."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            return proc.wait(20)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+    return proc.wait(20)
+
+
+def _wait_until(ready: Any, proc: subprocess.Popen[bytes], log: IO[bytes], what: str) -> Any:
+    """Poll ``ready()`` until it returns something true, the process dies, or time is up."""
+    deadline = time.monotonic() + STARTUP
+    while True:
+        result = ready()
+        if result:
+            return result
+        if proc.poll() is not None or time.monotonic() > deadline:
+            pytest.fail(f"{what} did not come up (exit {proc.poll()}):\n{_log_text(log)[-3000:]}")
+        time.sleep(0.05)
+
+
+def _get(http: httpx.Client, path: str) -> httpx.Response | None:
+    try:
+        return http.get(path)
+    except httpx.TransportError:
+        return None
+
+
+@pytest.fixture(scope="module", params=FLAVORS)
+def served(request: pytest.FixtureRequest, servers: dict[str, RedisServer]) -> Iterator[Served]:
+    """``uvicorn --workers 2 --factory tests.web_apps:create_app`` on this flavor's server."""
+    store = servers[request.param]
+    port = free_port()
+    env = {**os.environ, ENV_URL: store.url, ENV_PREFIX: f"web-{uuid.uuid4().hex[:12]}"}
+    command = [
+        sys.executable, "-m", "uvicorn", "tests.web_apps:create_app", "--factory",
+        "--workers", "2", "--host", "127.0.0.1", "--port", str(port), "--log-level", "info",
+    ]  # fmt: skip
+    with tempfile.TemporaryFile() as log:
+        proc = subprocess.Popen(
+            command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )  # fmt: skip
+        try:
+            pattern = re.compile(r"Started server process \[(\d+)\]")
+
+            def workers_started() -> frozenset[str] | None:
+                text = _log_text(log)
+                if text.count("Application startup complete.") < 2:
+                    return None
+                return frozenset(pattern.findall(text))
+
+            pids = _wait_until(workers_started, proc, log, "uvicorn's two workers")
+            url = f"http://127.0.0.1:{port}"
+            with httpx.Client(base_url=url, timeout=5) as http:
+                _wait_until(
+                    lambda: (r := _get(http, "/health")) is not None and r.status_code == 200,
+                    proc,
+                    log,
+                    "uvicorn's /health",
+                )
+            assert len(pids) == 2
+            yield Served(url, pids)
+        finally:
+            code = _stop(proc)
+            assert code in (0, -signal.SIGTERM), _log_text(log)[-3000:]
+
+
+def hammer(url: str, header_sets: list[dict[str, str]], path: str = "/api/items") -> list[Reply]:
+    """Send one GET per header set from ``THREADS`` threads at once, each request on a new
+    connection; the replies in no particular order."""
+    chunks = [header_sets[i::THREADS] for i in range(THREADS)]
+    start = threading.Barrier(THREADS)
+
+    def run(chunk: list[dict[str, str]]) -> list[Reply]:
+        limits = httpx.Limits(max_keepalive_connections=0)
+        with httpx.Client(base_url=url, timeout=30, limits=limits) as http:
+            start.wait(30)
+            out = []
+            for headers in chunk:
+                r = http.get(path, headers=headers)
+                out.append(Reply(headers.get("X-API-Key"), r.status_code, r.headers, r.content))
+            return out
+
+    with ThreadPoolExecutor(THREADS) as pool:
+        return [reply for replies in pool.map(run, chunks) for reply in replies]
+
+
+def check_replies(replies: list[Reply], limit: int = 12) -> None:
+    """Exactly ``limit`` admissions, each with its own remaining count; the rest proper 429s."""
+    ok = [r for r in replies if r.status == 200]
+    denied = [r for r in replies if r.status == 429]
+    assert len(ok) == limit, [r.status for r in replies]
+    assert len(denied) == len(replies) - limit
+    remaining = []
+    for r in ok:
+        assert r.headers["ratelimit-policy"] == f'"served-api";q={limit};w=60'
+        match = re.fullmatch(r'"served-api";r=(\d+);t=(\d+)', r.headers["ratelimit"])
+        assert match is not None, r.headers["ratelimit"]
+        remaining.append(int(match[1]))
+        assert int(match[2]) == 60
+        assert "retry-after" not in r.headers
+        assert json.loads(r.body) == {"items": [1, 2, 3]}
+    # Atomic and exact across both workers: every admission saw a different count.
+    assert sorted(remaining) == list(range(limit))
+    for r in denied:
+        assert r.headers["ratelimit-policy"] == f'"served-api";q={limit};w=60'
+        assert re.fullmatch(r'"served-api";r=0;t=(60|59)', r.headers["ratelimit"])
+        assert 1 <= int(r.headers["retry-after"]) <= 60
+        assert r.headers["content-type"] == "application/problem+json"
+        problem = json.loads(r.body)
+        assert problem["status"] == 429
+        assert problem["policy"] == "served-api"
+
+
+def test_one_identity_gets_exactly_the_limit_across_two_workers(served: Served):
+    replies = hammer(served.url, [{"X-API-Key": f"alice-{uuid.uuid4()}"}] * 40)
+    check_replies(replies)
+    pids = {r.headers["x-worker-pid"] for r in replies if r.status == 200}
+    assert pids <= served.worker_pids
+
+
+def test_two_identities_are_independent(served: Served):
+    bob, carol = f"bob-{uuid.uuid4()}", f"carol-{uuid.uuid4()}"
+    replies = hammer(served.url, [{"X-API-Key": bob}, {"X-API-Key": carol}] * 25)
+    assert len(replies) == 50
+    for key in (bob, carol):
+        check_replies([r for r in replies if r.key == key])
+    # A third identity is untouched by both.
+    check_replies(hammer(served.url, [{"X-API-Key": f"dave-{uuid.uuid4()}"}] * 16))
+
+
+def test_both_workers_serve_and_share_the_limit(served: Served):
+    key = f"erin-{uuid.uuid4()}"
+    replies = hammer(served.url, [{"X-API-Key": key}] * 64, path="/api/items")
+    check_replies(replies)
+    served_by = {r.headers.get("x-worker-pid") for r in replies if r.status == 200}
+    denied_by = {r.headers.get("x-worker-pid") for r in replies if r.status == 429}
+    # Denials come from the middleware, before the app: no pid header there.
+    assert denied_by == {None}
+    assert served_by <= served.worker_pids
+    health = hammer(served.url, [{}] * 40, path="/health")
+    health_pids = {r.headers["x-worker-pid"] for r in health}
+    assert health_pids == served.worker_pids  # both workers answered, sharing one store
+
+
+def test_health_is_never_limited(served: Served):
+    key = f"frank-{uuid.uuid4()}"
+    replies = hammer(served.url, [{"X-API-Key": key}] * 40, path="/health")
+    assert [r.status for r in replies] == [200] * 40
+    assert not [h for r in replies for h in r.headers if "ratelimit" in h or h == "retry-after"]
+    # And cost nothing: the key still has its whole budget.
+    check_replies(hammer(served.url, [{"X-API-Key": key}] * 13))
+
+
+def test_a_denied_websocket_handshake_is_refused(served: Served):
+    ws_url = served.url.replace("http://", "ws://") + "/ws"
+    headers = {"X-API-Key": f"gina-{uuid.uuid4()}"}
+    with websockets.sync.client.connect(ws_url, additional_headers=headers, open_timeout=30) as ws:
+        assert ws.recv(timeout=30) == "hello"
+    with pytest.raises(websockets.exceptions.InvalidStatus) as refused:
+        websockets.sync.client.connect(ws_url, additional_headers=headers, open_timeout=30)
+    assert refused.value.response.status_code == 403
+    # Another identity still gets in.
+    other = {"X-API-Key": f"hank-{uuid.uuid4()}"}
+    with websockets.sync.client.connect(ws_url, additional_headers=other, open_timeout=30) as ws:
+        assert ws.recv(timeout=30) == "hello"
+
+
+# --- ratekeeper demo --serve ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("storage", ["memory", FLAVORS[0]])
+def test_demo_serve(storage: str, servers: dict[str, RedisServer]):
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    command = [str(Path(sys.executable).with_name("ratekeeper")), "demo", "--serve"]
+    command += ["--port", str(port)]
+    if storage != "memory":
+        # Query options reach redis-py: a slow store must not make the demo fail open.
+        command += [
+            "--storage",
+            f"{servers[storage].url}?socket_timeout=5&socket_connect_timeout=5",
+        ]
+    with tempfile.TemporaryFile() as log:
+        proc = subprocess.Popen(
+            command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        try:
+            with httpx.Client(base_url=url, timeout=10) as http:
+                _wait_until(
+                    lambda: (r := _get(http, "/health")) is not None and r.status_code == 200,
+                    proc,
+                    log,
+                    "ratekeeper demo --serve",
+                )
+                started = time.monotonic()
+                items = [http.get("/api/items") for _ in range(6)]
+                within = time.monotonic() - started
+                search = [http.get("/api/search") for _ in range(3)]
+                health = [http.get("/health") for _ in range(20)]
+            output = _log_text(log)
+        finally:
+            code = _stop(proc)
+    assert code in (0, -signal.SIGTERM)
+    assert within < 10  # the window is 10 s: the sixth request must fall inside it
+    assert url in output
+    curl = [line for line in output.splitlines() if "curl" in line]
+    assert curl, output
+    assert f"{url}/api/items" in curl[0]
+    assert [r.status_code for r in items] == [200] * 5 + [429]
+    assert [r.headers["ratelimit"] for r in items[:5]] == [
+        f'"demo-api";r={n};t=10' for n in (4, 3, 2, 1, 0)
+    ]
+    assert items[0].headers["ratelimit-policy"] == '"demo-api";q=5;w=10'
+    sixth = items[5]
+    assert sixth.headers["content-type"] == "application/problem+json"
+    assert 1 <= int(sixth.headers["retry-after"]) <= 10
+    assert sixth.json()["status"] == 429
+    assert [r.status_code for r in search] == [200, 200, 429]
+    assert {r.headers["ratelimit-policy"] for r in search} == {'"demo-search";q=2;w=10'}
+    assert [r.status_code for r in health] == [200] * 20
+    assert all(r.json() == {"status": "ok"} for r in health)
+    assert not [h for r in health for h in r.headers if "ratelimit" in h or h == "retry-after"]
