@@ -113,3 +113,62 @@ def make_limiter(backend: str, api: str, key_prefix: str) -> Iterator[MakeLimite
     yield make
     for limiter in made:
         limiter.close()
+
+
+# --- Redis Cluster and Sentinel topologies (tests/topologies.py) --------------------------------
+
+
+class ClusterPool:
+    """Clusters started on first use, one per flavor, all stopped at the end of the run."""
+
+    def __init__(self) -> None:
+        self.started: dict[str, Any] = {}
+
+    def get(self, flavor: str) -> Any:
+        from .topologies import Cluster
+
+        if flavor not in self.started:
+            (binary,) = [b for b in BINARIES if b.flavor == flavor]
+            self.started[flavor] = Cluster(binary).start()
+        return self.started[flavor]
+
+    def stop(self) -> None:
+        for cluster in self.started.values():
+            cluster.stop()
+
+
+@pytest.fixture(scope="session")
+def cluster_pool() -> Iterator[ClusterPool]:
+    pool = ClusterPool()
+    yield pool
+    pool.stop()
+
+
+@pytest.fixture
+def cluster(cluster_pool: ClusterPool) -> Iterator[Any]:
+    """The shared Redis Cluster (3 primaries + 3 replicas) of the first flavor found, healthy
+    at the start of the test and restored to its original layout after it, whatever the test
+    broke (failover, killed node, moved slots)."""
+    shared = cluster_pool.get(FLAVORS[0])
+    shared.wait_healthy()
+    yield shared
+    shared.restore()
+
+
+@pytest.fixture(params=FLAVORS)
+def flavor_cluster(request: pytest.FixtureRequest, cluster_pool: ClusterPool) -> Iterator[Any]:
+    """A shared cluster of each flavor in turn (started on first use), restored after."""
+    shared = cluster_pool.get(request.param)
+    shared.wait_healthy()
+    yield shared
+    shared.restore()
+
+
+@pytest.fixture(scope="session")
+def sentinel_group() -> Iterator[Any]:
+    """1 primary, 1 replica and 3 sentinels monitoring ``mymaster``, of the first flavor."""
+    from .topologies import SentinelGroup
+
+    group = SentinelGroup(BINARIES[0]).start()
+    yield group
+    group.stop()

@@ -129,10 +129,7 @@ class RateLimitMiddleware:
             return
         decision = await self.limiter.hit(rule.policy, identity, rule.cost)
         headers = response_headers(decision, legacy=self.legacy_headers)
-        blocked = not decision.allowed and not (self.shadow or rule.shadow)
-        if not blocked:
-            headers = [h for h in headers if h[0] != "Retry-After"]
-        if blocked:
+        if not decision.allowed and not (self.shadow or rule.shadow):
             if kind == "websocket":
                 # Refuse the handshake: close before accepting (the server answers 403).
                 await send({"type": "websocket.close", "code": 1008})
@@ -140,6 +137,8 @@ class RateLimitMiddleware:
             status, extra, body = self.denied(decision, request)
             await _respond(send, status, merge_headers(extra, headers), body)
             return
+        # Passed on (allowed, or shadow mode): no Retry-After, the client need not wait.
+        headers = [h for h in headers if h[0] != "Retry-After"]
         if not headers or kind == "websocket":
             await self.app(scope, receive, send)
             return

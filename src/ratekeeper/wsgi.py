@@ -94,14 +94,13 @@ class RateLimitMiddleware:
             return self.app(environ, start_response)
         decision = self.limiter.hit(rule.policy, identity, rule.cost)
         headers = response_headers(decision, legacy=self.legacy_headers)
-        blocked = not decision.allowed and not (self.shadow or rule.shadow)
-        if not blocked:
-            headers = [h for h in headers if h[0] != "Retry-After"]
-        if blocked:
+        if not decision.allowed and not (self.shadow or rule.shadow):
             status, extra, body = self.denied(decision, request)
             out = with_length(merge_headers(extra, headers), body)
             start_response(f"{status} {_REASONS.get(status, 'Error')}", out)
             return [body]
+        # Passed on (allowed, or shadow mode): no Retry-After, the client need not wait.
+        headers = [h for h in headers if h[0] != "Retry-After"]
         if not headers:
             return self.app(environ, start_response)
 
