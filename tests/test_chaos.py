@@ -44,9 +44,8 @@ from .servers import RedisServer, find_binaries
 
 FLAVORS = [binary.flavor for binary in find_binaries()]
 
-#: How long a server stays SIGSTOPped. The issue asks for 5 s; 3 s exercises the same path
-#: (several failed probes, back-off up to its cap) and keeps this module well under a minute.
-STALL_SECONDS = 3.0
+#: How long a server stays SIGSTOPped (several failed probes, back-off up to its cap).
+STALL_SECONDS = 5.0
 #: The limiter's per-call deadline under load (the default, 20 ms).
 TIMEOUT = 0.02
 #: No decision may take longer than this. The target is timeout + 10 ms; this loaded 2-core CI
