@@ -19,6 +19,8 @@ from ._policy import Policy
 __all__ = [
     "DeniedResponse",
     "KeyFunc",
+    "Limiting",
+    "Outcome",
     "Request",
     "Rule",
     "match_rule",
@@ -181,3 +183,62 @@ def merge_headers(
     """The app's headers without any it shares a name with ours, then ours: never a duplicate."""
     names = {name.lower() for name, _ in ours}
     return [(n, v) for n, v in app_headers if n.lower() not in names] + list(ours)
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """What to do with a request after its decision: block it with ``response``, or pass it
+    on and add ``headers`` to the app's response."""
+
+    blocked: bool
+    headers: list[tuple[str, str]]
+    response: tuple[int, list[tuple[str, str]], bytes] | None = None
+
+
+class Limiting:
+    """The middleware's configuration and every choice it makes, without I/O: which rule and
+    identity a request gets, and what the decision means for the response. The ASGI and WSGI
+    middleware, the FastAPI dependency and the Flask decorator only do the I/O around it."""
+
+    __slots__ = ("denied", "key", "legacy_headers", "rules", "shadow")
+
+    def __init__(
+        self,
+        *,
+        policy: Policy | None = None,
+        key: KeyFunc | None = None,
+        rules: Iterable[Rule] = (),
+        exempt: Iterable[str | re.Pattern[str]] = (),
+        shadow: bool = False,
+        legacy_headers: bool = False,
+        denied: DeniedResponse | None = None,
+    ) -> None:
+        from .identity import client_ip
+
+        self.rules = make_rules(policy, rules, exempt)
+        self.key = key if key is not None else client_ip()
+        self.shadow = shadow
+        self.legacy_headers = legacy_headers
+        self.denied = denied if denied is not None else default_denied
+
+    def route(self, request: Request) -> tuple[Rule, Policy, str] | None:
+        """(rule, policy, identity) for a request to limit; None to pass it through untouched
+        (exempt, no rule, or no identity)."""
+        rule = match_rule(self.rules, request.method, request.path)
+        if rule is None or rule.policy is None:
+            return None
+        identity = (rule.key or self.key)(request)
+        if identity is None:
+            return None
+        return rule, rule.policy, identity
+
+    def outcome(self, rule: Rule, decision: Decision, request: Request) -> Outcome:
+        """Block (unless in shadow mode) or pass on, with the headers either way."""
+        headers = response_headers(decision, legacy=self.legacy_headers)
+        if not decision.allowed and not (self.shadow or rule.shadow):
+            status, extra, body = self.denied(decision, request)
+            return Outcome(
+                True, headers, (status, with_length(merge_headers(extra, headers), body), body)
+            )
+        # Passed on (allowed, or shadow mode): no Retry-After, the client need not wait.
+        return Outcome(False, [h for h in headers if h[0] != "Retry-After"])

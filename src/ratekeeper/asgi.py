@@ -27,18 +27,13 @@ from ._errors import ConfigError
 from ._http import (
     DeniedResponse,
     KeyFunc,
+    Limiting,
     Request,
     Rule,
-    default_denied,
-    make_rules,
-    match_rule,
-    merge_headers,
-    response_headers,
     with_length,
 )
 from ._limiter import AsyncLimiter
 from ._policy import Policy
-from .identity import client_ip
 
 __all__ = ["RateLimitMiddleware", "Rule", "fastapi_dependency", "request_from_scope"]
 
@@ -107,11 +102,15 @@ class RateLimitMiddleware:
             )
         self.app = app
         self.limiter = limiter
-        self.rules = make_rules(policy, rules, exempt)
-        self.key = key if key is not None else client_ip()
-        self.shadow = shadow
-        self.legacy_headers = legacy_headers
-        self.denied = denied if denied is not None else default_denied
+        self.limiting = Limiting(
+            policy=policy,
+            key=key,
+            rules=rules,
+            exempt=exempt,
+            shadow=shadow,
+            legacy_headers=legacy_headers,
+            denied=denied,
+        )
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         kind = scope["type"]
@@ -119,30 +118,25 @@ class RateLimitMiddleware:
             await self.app(scope, receive, send)
             return
         request = request_from_scope(scope)
-        rule = match_rule(self.rules, request.method if kind == "http" else "GET", request.path)
-        if rule is None or rule.policy is None:
+        route = self.limiting.route(request)
+        if route is None:
             await self.app(scope, receive, send)
             return
-        identity = (rule.key or self.key)(request)
-        if identity is None:
-            await self.app(scope, receive, send)
-            return
-        decision = await self.limiter.hit(rule.policy, identity, rule.cost)
-        headers = response_headers(decision, legacy=self.legacy_headers)
-        if not decision.allowed and not (self.shadow or rule.shadow):
+        rule, policy, identity = route
+        decision = await self.limiter.hit(policy, identity, rule.cost)
+        outcome = self.limiting.outcome(rule, decision, request)
+        if outcome.blocked:
             if kind == "websocket":
                 # Refuse the handshake: close before accepting (the server answers 403).
                 await send({"type": "websocket.close", "code": 1008})
                 return
-            status, extra, body = self.denied(decision, request)
-            await _respond(send, status, merge_headers(extra, headers), body)
+            assert outcome.response is not None
+            await _respond(send, *outcome.response)
             return
-        # Passed on (allowed, or shadow mode): no Retry-After, the client need not wait.
-        headers = [h for h in headers if h[0] != "Retry-After"]
-        if not headers or kind == "websocket":
+        if not outcome.headers or kind == "websocket":
             await self.app(scope, receive, send)
             return
-        await self.app(scope, receive, _with_headers(send, headers))
+        await self.app(scope, receive, _with_headers(send, outcome.headers))
 
 
 def _with_headers(send: Send, headers: list[tuple[str, str]]) -> Send:
@@ -189,23 +183,25 @@ def fastapi_dependency(
 
     if not isinstance(limiter, AsyncLimiter):
         raise ConfigError("fastapi_dependency needs an AsyncLimiter")
-    rule = Rule("*", policy, key=key, cost=cost)
-    key_func = key if key is not None else client_ip()
+    limiting = Limiting(
+        rules=[Rule("*", policy, key=key, cost=cost)], legacy_headers=legacy_headers
+    )
 
     async def dependency(request: Any, response: Any) -> Decision:
         view = request_from_scope(request.scope)
-        identity = key_func(view)
-        if identity is None:
+        route = limiting.route(view)
+        if route is None:
             raise HTTPException(status_code=400, detail="no client identity")
+        rule, _, identity = route
         decision = await limiter.hit(policy, identity, rule.cost)
-        headers = response_headers(decision, legacy=legacy_headers)
-        if not decision.allowed:
+        outcome = limiting.outcome(rule, decision, view)
+        if outcome.blocked:
             raise HTTPException(
                 status_code=429,
                 detail=f"Rate limit exceeded for policy {policy.name!r} ({decision.rate}).",
-                headers=dict(headers),
+                headers=dict(outcome.headers),
             )
-        for name, value in headers:
+        for name, value in outcome.headers:
             response.headers[name] = value
         return decision
 

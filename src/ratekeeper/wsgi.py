@@ -21,18 +21,13 @@ from ._errors import ConfigError
 from ._http import (
     DeniedResponse,
     KeyFunc,
+    Limiting,
     Request,
     Rule,
-    default_denied,
-    make_rules,
-    match_rule,
     merge_headers,
-    response_headers,
-    with_length,
 )
 from ._limiter import Limiter
 from ._policy import Policy
-from .identity import client_ip
 
 __all__ = ["RateLimitMiddleware", "Rule", "flask_limit", "request_from_environ"]
 
@@ -78,29 +73,29 @@ class RateLimitMiddleware:
             raise ConfigError("the WSGI middleware needs a blocking Limiter")
         self.app = app
         self.limiter = limiter
-        self.rules = make_rules(policy, rules, exempt)
-        self.key = key if key is not None else client_ip()
-        self.shadow = shadow
-        self.legacy_headers = legacy_headers
-        self.denied = denied if denied is not None else default_denied
+        self.limiting = Limiting(
+            policy=policy,
+            key=key,
+            rules=rules,
+            exempt=exempt,
+            shadow=shadow,
+            legacy_headers=legacy_headers,
+            denied=denied,
+        )
 
     def __call__(self, environ: dict[str, Any], start_response: StartResponse) -> Iterable[bytes]:
         request = request_from_environ(environ)
-        rule = match_rule(self.rules, request.method, request.path)
-        if rule is None or rule.policy is None:
+        route = self.limiting.route(request)
+        if route is None:
             return self.app(environ, start_response)
-        identity = (rule.key or self.key)(request)
-        if identity is None:
-            return self.app(environ, start_response)
-        decision = self.limiter.hit(rule.policy, identity, rule.cost)
-        headers = response_headers(decision, legacy=self.legacy_headers)
-        if not decision.allowed and not (self.shadow or rule.shadow):
-            status, extra, body = self.denied(decision, request)
-            out = with_length(merge_headers(extra, headers), body)
+        rule, policy, identity = route
+        decision = self.limiter.hit(policy, identity, rule.cost)
+        outcome = self.limiting.outcome(rule, decision, request)
+        if outcome.response is not None:
+            status, out, body = outcome.response
             start_response(f"{status} {_REASONS.get(status, 'Error')}", out)
             return [body]
-        # Passed on (allowed, or shadow mode): no Retry-After, the client need not wait.
-        headers = [h for h in headers if h[0] != "Retry-After"]
+        headers = outcome.headers
         if not headers:
             return self.app(environ, start_response)
 
@@ -135,23 +130,25 @@ def flask_limit(
 
     if not isinstance(limiter, Limiter):
         raise ConfigError("flask_limit needs a blocking Limiter")
-    rule = Rule("*", policy, key=key, cost=cost)
-    key_func = key if key is not None else client_ip()
+    limiting = Limiting(
+        rules=[Rule("*", policy, key=key, cost=cost)], legacy_headers=legacy_headers
+    )
 
     def decorate(view: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(view)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             request = request_from_environ(flask.request.environ)
-            identity = key_func(request)
-            if identity is None:
+            route = limiting.route(request)
+            if route is None:
                 return view(*args, **kwargs)
+            rule, _, identity = route
             decision = limiter.hit(policy, identity, rule.cost)
-            headers = response_headers(decision, legacy=legacy_headers)
-            if not decision.allowed:
-                status, extra, body = default_denied(decision, request)
-                return flask.Response(body, status=status, headers=merge_headers(extra, headers))
+            outcome = limiting.outcome(rule, decision, request)
+            if outcome.response is not None:
+                status, headers, body = outcome.response
+                return flask.Response(body, status=status, headers=headers)
             response = flask.make_response(view(*args, **kwargs))
-            for name, value in headers:
+            for name, value in outcome.headers:
                 response.headers[name] = value
             return response
 
