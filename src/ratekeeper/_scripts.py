@@ -1,4 +1,8 @@
-"""Lua scripts shipped as package data (``ratekeeper/lua/*.lua``), identified by SHA1."""
+"""Lua scripts shipped as package data (``ratekeeper/lua/*.lua``), identified by SHA1.
+
+Each script runs with ``lua/_prelude.lua`` in front of it: the parsing of the ARGV layout every
+script shares, the clock, and integer division (Lua scripts cannot import one another).
+"""
 
 from __future__ import annotations
 
@@ -21,6 +25,8 @@ class Script:
 
 @cache
 def load_script(name: str) -> Script:
-    """Read ``lua/<name>.lua`` from the package, once."""
-    source = resources.files("ratekeeper").joinpath("lua").joinpath(f"{name}.lua").read_bytes()
+    """Read ``lua/<name>.lua`` from the package, with the prelude in front, once."""
+    folder = resources.files("ratekeeper").joinpath("lua")
+    prelude = folder.joinpath("_prelude.lua").read_bytes()
+    source = prelude + folder.joinpath(f"{name}.lua").read_bytes()
     return Script(name, source, sha1(source).hexdigest())

@@ -11,19 +11,11 @@
 -- (mode 1) or when the lease was still held (mode 2); remaining = free units after the call;
 -- reset = us until every lease now held has expired; retry = us until cost units free up by
 -- expiry alone (-1 = free now, -2 = never). A denial writes nothing.
+-- now, cost, mode, peek, n, key and idiv come from _prelude.lua.
 
-local now = tonumber(ARGV[1])
-if now <= 0 then
-  if redis.replicate_commands then redis.replicate_commands() end
-  local t = redis.call('TIME')
-  now = tonumber(t[1]) * 1000000 + tonumber(t[2])
-end
-local cost = tonumber(ARGV[2])
-local mode = ARGV[3]
 local token = ARGV[4]
 local limit = tonumber(ARGV[7])
 local timeout = tonumber(ARGV[8])
-local key = KEYS[1]
 local live = string.format('(%d', now)
 
 if mode == '2' then

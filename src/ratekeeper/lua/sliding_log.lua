@@ -17,17 +17,7 @@
 -- A denial writes nothing. All reads happen before the first write, so an out-of-memory
 -- error on the first write leaves no partial state. Numbers sent back to Redis go through
 -- string.format('%d'): tostring would print large times in scientific notation.
-
-local now = tonumber(ARGV[1])
-if now <= 0 then
-  if redis.replicate_commands then redis.replicate_commands() end
-  local t = redis.call('TIME')
-  now = tonumber(t[1]) * 1000000 + tonumber(t[2])
-end
-local cost = tonumber(ARGV[2])
-local peek = ARGV[3] ~= '0'
-local n = tonumber(ARGV[6])
-local key = KEYS[1]
+-- now, cost, mode, peek, n, key and idiv come from _prelude.lua.
 
 local newest = nil
 local top = redis.call('ZRANGE', key, -1, -1, 'WITHSCORES')

@@ -15,24 +15,7 @@
 --
 -- Returns {allowed, remaining_1, reset_1, retry_1, ...}; times in microseconds; retry -1 = fits,
 -- -2 = never. A denial writes nothing.
-
-local now = tonumber(ARGV[1])
-if now <= 0 then
-  if redis.replicate_commands then redis.replicate_commands() end
-  local t = redis.call('TIME')
-  now = tonumber(t[1]) * 1000000 + tonumber(t[2])
-end
-local cost = tonumber(ARGV[2])
-local peek = ARGV[3] ~= '0'
-local n = tonumber(ARGV[6])
-local key = KEYS[1]
-
--- floor(a / b) for integers, exact where a / b in doubles might round across an integer.
-local function idiv(a, b)
-  local q = math.floor(a / b)
-  if q * b > a then q = q - 1 elseif (q + 1) * b <= a then q = q + 1 end
-  return q
-end
+-- now, cost, mode, peek, n, key and idiv come from _prelude.lua.
 
 local fields = {}
 for i = 1, n do
