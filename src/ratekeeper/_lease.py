@@ -16,20 +16,14 @@ from ._decision import Decision
 __all__ = ["AsyncLease", "Lease"]
 
 
-class Lease:
-    """A lease from :meth:`Limiter.acquire`. Check :attr:`allowed` before doing the work.
+class _Held:
+    """What both kinds of lease know: the call that took it, its decision, whether released."""
 
-    >>> with limiter.acquire(jobs, "tenant-7") as lease:  # doctest: +SKIP
-    ...     if lease.allowed:
-    ...         run_job()
-    """
+    __slots__ = ("_released", "call", "decision")
 
-    __slots__ = ("_release", "_released", "call", "decision")
-
-    def __init__(self, call: Call, decision: Decision, release: Callable[[Call], bool]) -> None:
+    def __init__(self, call: Call, decision: Decision) -> None:
         self.call = call
         self.decision = decision
-        self._release = release
         self._released = not decision.allowed
 
     @property
@@ -42,12 +36,31 @@ class Lease:
         """Granted and not yet released (it may still have expired)."""
         return not self._released
 
-    def release(self) -> bool:
-        """Give the units back. Returns whether the lease was still held; idempotent."""
+    def _take_release(self) -> bool:
+        """Mark released; whether the store must be told (the first time only)."""
         if self._released:
             return False
         self._released = True
-        return self._release(self.call)
+        return True
+
+
+class Lease(_Held):
+    """A lease from :meth:`Limiter.acquire`. Check :attr:`allowed` before doing the work.
+
+    >>> with limiter.acquire(jobs, "tenant-7") as lease:  # doctest: +SKIP
+    ...     if lease.allowed:
+    ...         run_job()
+    """
+
+    __slots__ = ("_release",)
+
+    def __init__(self, call: Call, decision: Decision, release: Callable[[Call], bool]) -> None:
+        super().__init__(call, decision)
+        self._release = release
+
+    def release(self) -> bool:
+        """Give the units back. Returns whether the lease was still held; idempotent."""
+        return self._take_release() and self._release(self.call)
 
     def __enter__(self) -> Lease:
         return self
@@ -61,35 +74,20 @@ class Lease:
         self.release()
 
 
-class AsyncLease:
+class AsyncLease(_Held):
     """A lease from :meth:`AsyncLimiter.acquire`; ``release`` is a coroutine."""
 
-    __slots__ = ("_release", "_released", "call", "decision")
+    __slots__ = ("_release",)
 
     def __init__(
         self, call: Call, decision: Decision, release: Callable[[Call], Awaitable[bool]]
     ) -> None:
-        self.call = call
-        self.decision = decision
+        super().__init__(call, decision)
         self._release = release
-        self._released = not decision.allowed
-
-    @property
-    def allowed(self) -> bool:
-        """Whether the lease was granted."""
-        return self.decision.allowed
-
-    @property
-    def held(self) -> bool:
-        """Granted and not yet released (it may still have expired)."""
-        return not self._released
 
     async def release(self) -> bool:
         """Give the units back. Returns whether the lease was still held; idempotent."""
-        if self._released:
-            return False
-        self._released = True
-        return await self._release(self.call)
+        return self._take_release() and await self._release(self.call)
 
     async def __aenter__(self) -> AsyncLease:
         return self
