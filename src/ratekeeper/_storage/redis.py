@@ -9,6 +9,7 @@ redis-py (``Retry`` below), which at worst counts a hit twice and never admits o
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass, field
 from typing import Any
 
 from .._errors import (
@@ -179,6 +180,38 @@ def _sentinel_parts(url: str) -> tuple[list[tuple[str, int]], str, dict[str, Any
     return hosts, service, options
 
 
+#: A broken connection is retried once on a fresh one; a timeout never is.
+_RECONNECT = (redis.ConnectionError,)
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """How to build a client for a URL, the same for the sync and the asyncio client."""
+
+    kind: str  # "single", "cluster" or "sentinel"
+    kwargs: dict[str, Any]
+    hosts: list[tuple[str, int]] = field(default_factory=list)
+    service: str = ""
+
+    @property
+    def sentinel_kwargs(self) -> dict[str, Any]:
+        """The options that also apply to the connections to the sentinels themselves."""
+        return {k: v for k, v in self.kwargs.items() if k in _SENTINEL_OPTIONS}
+
+
+def _plan(url: str, options: dict[str, Any], retry: Any) -> _Plan:
+    kwargs = client_options(options)
+    scheme = url.split("://", 1)[0].lower()
+    if scheme.endswith("+cluster"):
+        hosts, merged = _cluster_kwargs(url, kwargs)  # the cluster client retries by itself
+        return _Plan("cluster", merged, hosts)
+    kwargs.setdefault("retry", retry)
+    if scheme.endswith("+sentinel"):
+        hosts, service, extra = _sentinel_parts(url)
+        return _Plan("sentinel", {**kwargs, **extra}, hosts, service)
+    return _Plan("single", kwargs)
+
+
 #: Options that also apply to the connections to the sentinels themselves.
 _SENTINEL_OPTIONS = frozenset(
     {"socket_timeout", "socket_connect_timeout", "username", "password", "ssl", "retry"}
@@ -219,8 +252,9 @@ def eviction_warning(info: dict[str, Any]) -> str | None:
 class RedisStorage:
     """Runs scripts on a ``redis.Redis`` client."""
 
-    def __init__(self, client: redis.Redis) -> None:
+    def __init__(self, client: redis.Redis, *, also_close: tuple[Any, ...] = ()) -> None:
         self.client = client
+        self._also_close = also_close  # the connections to the sentinels, if any
         self._checked_eviction = False
 
     def _check_eviction(self) -> None:
@@ -235,31 +269,25 @@ class RedisStorage:
 
     @classmethod
     def from_url(cls, url: str, **options: Any) -> RedisStorage:
-        kwargs = client_options(options)
-        scheme = url.split("://", 1)[0].lower()
         try:
-            if scheme.endswith("+cluster"):
-                hosts, merged = _cluster_kwargs(url, kwargs)
+            plan = _plan(url, options, Retry(NoBackoff(), 1, supported_errors=_RECONNECT))
+            if plan.kind == "cluster":
                 nodes = [
                     redis.cluster.ClusterNode(host, port)  # type: ignore[no-untyped-call]
-                    for host, port in hosts
+                    for host, port in plan.hosts
                 ]
-                return cls(_Cluster(startup_nodes=nodes, **merged))  # type: ignore[arg-type]
-            retry = Retry(NoBackoff(), 1, supported_errors=(redis.ConnectionError,))
-            kwargs.setdefault("retry", retry)
-            if scheme.endswith("+sentinel"):
-                hosts, service, extra = _sentinel_parts(url)
-                sentinel_kwargs = {
-                    k: v for k, v in {**kwargs, **extra}.items() if k in _SENTINEL_OPTIONS
-                }
+                client: Any = _Cluster(startup_nodes=nodes, **plan.kwargs)
+            elif plan.kind == "sentinel":
                 sentinel = redis.sentinel.Sentinel(  # type: ignore[no-untyped-call]
-                    hosts, sentinel_kwargs=sentinel_kwargs, **{**kwargs, **extra}
+                    plan.hosts, sentinel_kwargs=plan.sentinel_kwargs, **plan.kwargs
                 )
-                master = sentinel.master_for(service, **{**kwargs, **extra})  # type: ignore[no-untyped-call]
-                return cls(master)
-            return cls(redis.Redis.from_url(url, **kwargs))
+                client = sentinel.master_for(plan.service, **plan.kwargs)  # type: ignore[no-untyped-call]
+                return cls(client, also_close=tuple(sentinel.sentinels))
+            else:
+                client = redis.Redis.from_url(url, **plan.kwargs)
         except (ValueError, TypeError, redis.RedisError) as exc:
             raise ConfigError(f"invalid Redis URL or options {url!r}: {exc}") from exc
+        return cls(client)
 
     def run(self, script: Script, keys: tuple[str, ...], args: tuple[int | str, ...]) -> list[int]:
         client = self.client
@@ -283,13 +311,16 @@ class RedisStorage:
 
     def close(self) -> None:
         self.client.close()
+        for other in self._also_close:
+            other.close()
 
 
 class AsyncRedisStorage:
     """Runs scripts on a ``redis.asyncio.Redis`` client."""
 
-    def __init__(self, client: redis.asyncio.Redis) -> None:
+    def __init__(self, client: redis.asyncio.Redis, *, also_close: tuple[Any, ...] = ()) -> None:
         self.client = client
+        self._also_close = also_close  # the connections to the sentinels, if any
         self._checked_eviction = False
 
     async def _check_eviction(self) -> None:
@@ -303,29 +334,23 @@ class AsyncRedisStorage:
 
     @classmethod
     def from_url(cls, url: str, **options: Any) -> AsyncRedisStorage:
-        kwargs = client_options(options)
-        scheme = url.split("://", 1)[0].lower()
         try:
-            if scheme.endswith("+cluster"):
-                hosts, merged = _cluster_kwargs(url, kwargs)
-                nodes = [redis.asyncio.cluster.ClusterNode(host, port) for host, port in hosts]
-                return cls(_AsyncCluster(startup_nodes=nodes, **merged))  # type: ignore[arg-type]
-            retry = redis.asyncio.retry.Retry(
-                NoBackoff(), 1, supported_errors=(redis.ConnectionError,)
-            )
-            kwargs.setdefault("retry", retry)
-            if scheme.endswith("+sentinel"):
-                hosts, service, extra = _sentinel_parts(url)
-                sentinel_kwargs = {
-                    k: v for k, v in {**kwargs, **extra}.items() if k in _SENTINEL_OPTIONS
-                }
+            retry = redis.asyncio.retry.Retry(NoBackoff(), 1, supported_errors=_RECONNECT)
+            plan = _plan(url, options, retry)
+            if plan.kind == "cluster":
+                nodes = [redis.asyncio.cluster.ClusterNode(host, port) for host, port in plan.hosts]
+                client: Any = _AsyncCluster(startup_nodes=nodes, **plan.kwargs)
+            elif plan.kind == "sentinel":
                 sentinel = redis.asyncio.sentinel.Sentinel(  # type: ignore[no-untyped-call]
-                    hosts, sentinel_kwargs=sentinel_kwargs, **{**kwargs, **extra}
+                    plan.hosts, sentinel_kwargs=plan.sentinel_kwargs, **plan.kwargs
                 )
-                return cls(sentinel.master_for(service, **{**kwargs, **extra}))
-            return cls(redis.asyncio.Redis.from_url(url, **kwargs))
+                client = sentinel.master_for(plan.service, **plan.kwargs)
+                return cls(client, also_close=tuple(sentinel.sentinels))
+            else:
+                client = redis.asyncio.Redis.from_url(url, **plan.kwargs)
         except (ValueError, TypeError, redis.RedisError) as exc:
             raise ConfigError(f"invalid Redis URL or options {url!r}: {exc}") from exc
+        return cls(client)
 
     async def run(
         self, script: Script, keys: tuple[str, ...], args: tuple[int | str, ...]
@@ -351,3 +376,5 @@ class AsyncRedisStorage:
 
     async def close(self) -> None:
         await self.client.aclose()
+        for other in self._also_close:
+            await other.aclose()
