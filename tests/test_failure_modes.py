@@ -210,7 +210,7 @@ def test_local_share_never_rounds_below_one(dead_url: str, key_prefix: str):
 
 
 def test_raise_raises_storage_unavailable_then_mentions_the_breaker(dead_url: str, key_prefix: str):
-    breaker, clock = fake_breaker(consecutive_failures=3)
+    breaker, clock = fake_breaker(consecutive_failures=3, open_for=1.0)
     policy = Policy("fm-raise", "10/minute")
     with Limiter.from_url(
         dead_url, key_prefix=key_prefix, failure_mode="raise", breaker=breaker, **SHORT
@@ -272,7 +272,7 @@ def test_a_policy_failure_mode_overrides_the_limiter_default(
 
 
 def test_failure_modes_async(dead_url: str, key_prefix: str):
-    breaker, clock = fake_breaker(consecutive_failures=3)
+    breaker, clock = fake_breaker(consecutive_failures=3, open_for=1.0)
     allow = Policy("afm-open", "1/minute", failure_mode="open")
     deny = Policy("afm-closed", "1/minute", failure_mode="closed")
     local = Policy("afm-local", "10/minute", failure_mode="local")

@@ -76,8 +76,8 @@ class CircuitBreaker:
         slow_call: float = 0.020,
         slow_ratio: float = 0.8,
         consecutive_failures: int = 5,
-        open_for: float = 1.0,
-        max_open_for: float = 30.0,
+        open_for: float = 0.5,
+        max_open_for: float = 1.0,
         probes: int = 3,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:

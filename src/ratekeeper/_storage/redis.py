@@ -8,7 +8,9 @@ redis-py (``Retry`` below), which at worst counts a hit twice and never admits o
 
 from __future__ import annotations
 
+import asyncio
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,10 +34,14 @@ try:
     import redis.sentinel
     from redis.backoff import NoBackoff
     from redis.exceptions import (
+        AskError,
         ClusterDownError,
         NoScriptError,
         OutOfMemoryError,
+        ReadOnlyError,
+        RedisClusterException,
         SlotNotCoveredError,
+        TryAgainError,
     )
     from redis.retry import Retry
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
@@ -218,14 +224,30 @@ _SENTINEL_OPTIONS = frozenset(
 )
 
 
-def _translate(exc: redis.RedisError) -> StorageError | RequestRejected:
+#: redis-py's classes for error replies about the store's state: it strips their error code
+#: from the message, so they are told apart by class, the rest by the code in the message.
+_STORE_STATE_CLASSES = (
+    OutOfMemoryError,
+    ReadOnlyError,
+    NoScriptError,
+    ClusterDownError,  # and MasterDownError
+    TryAgainError,
+    AskError,  # and MovedError
+)
+
+#: Errors of the store's client library that ratekeeper translates.
+CLIENT_ERRORS = (redis.RedisError, RedisClusterException)
+
+
+def _translate(exc: Exception) -> StorageError | RequestRejected:
     """Map a redis-py error to ratekeeper's tree; the caller raises it ``from exc``."""
     if isinstance(exc, redis.TimeoutError):
         return StorageTimeout(f"the store did not answer in time: {exc}")
-    if isinstance(exc, redis.ConnectionError):
+    if isinstance(exc, (redis.ConnectionError, RedisClusterException)):
+        # RedisClusterException: no reachable node, or a slot no node serves.
         return StorageUnavailable(f"cannot reach the store: {exc}")
     if isinstance(exc, redis.ResponseError):
-        if isinstance(exc, OutOfMemoryError) or str(exc).startswith(_STORE_STATE_ERRORS):
+        if isinstance(exc, _STORE_STATE_CLASSES) or str(exc).startswith(_STORE_STATE_ERRORS):
             return StorageResponseError(f"the store cannot serve the command: {exc}")
         return RequestRejected(f"the store rejected the request: {exc}")
     return StorageError(f"store error: {exc}")
@@ -250,19 +272,44 @@ def eviction_warning(info: dict[str, Any]) -> str | None:
 
 
 class RedisStorage:
-    """Runs scripts on a ``redis.Redis`` client."""
+    """Runs scripts on a ``redis.Redis`` (or cluster, or sentinel-managed) client.
 
-    def __init__(self, client: redis.Redis, *, also_close: tuple[Any, ...] = ()) -> None:
-        self.client = client
+    ``connect`` builds the client on first use instead: redis-py's blocking cluster client
+    contacts the cluster when it is built, and a limiter must be constructible (and decide by
+    its failure mode) while the store is down.
+    """
+
+    def __init__(
+        self,
+        client: Any = None,
+        *,
+        connect: Callable[[], Any] | None = None,
+        also_close: tuple[Any, ...] = (),
+    ) -> None:
+        if client is None and connect is None:
+            raise ValueError("RedisStorage needs a client or a way to connect")
+        self._client = client
+        self._connect = connect
         self._also_close = also_close  # the connections to the sentinels, if any
         self._checked_eviction = False
+
+    @property
+    def client(self) -> Any:
+        """The redis-py client, built on first use if need be."""
+        if self._client is None:
+            assert self._connect is not None
+            try:
+                self._client = self._connect()
+            except CLIENT_ERRORS as exc:
+                raise _translate(exc) from exc
+        return self._client
 
     def _check_eviction(self) -> None:
         self._checked_eviction = True
         try:
             info: Any = self.client.info("memory")  # a dict; redis-py types vary by version
             warning = eviction_warning(info)
-        except redis.RedisError:  # INFO may be forbidden on a managed server
+        except CLIENT_ERRORS:  # INFO may be forbidden on a managed server
             return
         if warning:
             log.warning("%s", warning)
@@ -276,16 +323,15 @@ class RedisStorage:
                     redis.cluster.ClusterNode(host, port)  # type: ignore[no-untyped-call]
                     for host, port in plan.hosts
                 ]
-                client: Any = _Cluster(startup_nodes=nodes, **plan.kwargs)
-            elif plan.kind == "sentinel":
+                return cls(connect=lambda: _Cluster(startup_nodes=nodes, **plan.kwargs))
+            if plan.kind == "sentinel":
                 sentinel = redis.sentinel.Sentinel(  # type: ignore[no-untyped-call]
                     plan.hosts, sentinel_kwargs=plan.sentinel_kwargs, **plan.kwargs
                 )
                 client = sentinel.master_for(plan.service, **plan.kwargs)  # type: ignore[no-untyped-call]
                 return cls(client, also_close=tuple(sentinel.sentinels))
-            else:
-                client = redis.Redis.from_url(url, **plan.kwargs)
-        except (ValueError, TypeError, redis.RedisError) as exc:
+            client = redis.Redis.from_url(url, **plan.kwargs)
+        except (ValueError, TypeError, *CLIENT_ERRORS) as exc:
             raise ConfigError(f"invalid Redis URL or options {url!r}: {exc}") from exc
         return cls(client)
 
@@ -297,7 +343,7 @@ class RedisStorage:
             except NoScriptError:
                 client.script_load(script.source)
                 reply = client.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)  # type: ignore[no-untyped-call]
-        except redis.RedisError as exc:
+        except CLIENT_ERRORS as exc:
             raise _translate(exc) from exc
         if not self._checked_eviction:
             self._check_eviction()
@@ -306,11 +352,12 @@ class RedisStorage:
     def delete(self, keys: tuple[str, ...]) -> None:
         try:
             self.client.delete(*keys)
-        except redis.RedisError as exc:
+        except CLIENT_ERRORS as exc:
             raise _translate(exc) from exc
 
     def close(self) -> None:
-        self.client.close()
+        if self._client is not None:
+            self._client.close()
         for other in self._also_close:
             other.close()
 
@@ -318,16 +365,29 @@ class RedisStorage:
 class AsyncRedisStorage:
     """Runs scripts on a ``redis.asyncio.Redis`` client."""
 
-    def __init__(self, client: redis.asyncio.Redis, *, also_close: tuple[Any, ...] = ()) -> None:
+    def __init__(self, client: Any, *, also_close: tuple[Any, ...] = ()) -> None:
         self.client = client
         self._also_close = also_close  # the connections to the sentinels, if any
         self._checked_eviction = False
+        # redis-py's asyncio cluster client breaks when many first calls race to discover the
+        # cluster; the first call discovers it alone.
+        self._ready = not isinstance(client, redis.asyncio.cluster.RedisCluster)
+        self._ready_lock = asyncio.Lock()
+
+    async def _discover(self) -> None:
+        async with self._ready_lock:
+            if not self._ready:
+                try:
+                    await self.client.initialize()
+                except CLIENT_ERRORS as exc:
+                    raise _translate(exc) from exc
+                self._ready = True
 
     async def _check_eviction(self) -> None:
         self._checked_eviction = True
         try:
             warning = eviction_warning(await self.client.info("memory"))
-        except redis.RedisError:  # INFO may be forbidden on a managed server
+        except CLIENT_ERRORS:  # INFO may be forbidden on a managed server
             return
         if warning:
             log.warning("%s", warning)
@@ -348,13 +408,15 @@ class AsyncRedisStorage:
                 return cls(client, also_close=tuple(sentinel.sentinels))
             else:
                 client = redis.asyncio.Redis.from_url(url, **plan.kwargs)
-        except (ValueError, TypeError, redis.RedisError) as exc:
+        except (ValueError, TypeError, *CLIENT_ERRORS) as exc:
             raise ConfigError(f"invalid Redis URL or options {url!r}: {exc}") from exc
         return cls(client)
 
     async def run(
         self, script: Script, keys: tuple[str, ...], args: tuple[int | str, ...]
     ) -> list[int]:
+        if not self._ready:
+            await self._discover()
         client = self.client
         try:
             try:
@@ -362,16 +424,18 @@ class AsyncRedisStorage:
             except NoScriptError:
                 await client.script_load(script.source)
                 reply = await client.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)  # type: ignore[no-untyped-call]
-        except redis.RedisError as exc:
+        except CLIENT_ERRORS as exc:
             raise _translate(exc) from exc
         if not self._checked_eviction:
             await self._check_eviction()
         return reply  # type: ignore[no-any-return]
 
     async def delete(self, keys: tuple[str, ...]) -> None:
+        if not self._ready:
+            await self._discover()
         try:
             await self.client.delete(*keys)
-        except redis.RedisError as exc:
+        except CLIENT_ERRORS as exc:
             raise _translate(exc) from exc
 
     async def close(self) -> None:
