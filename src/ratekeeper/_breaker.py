@@ -107,6 +107,7 @@ class CircuitBreaker:
         self._bucket_span = self.window / _BUCKETS
         self._bucket_index = 0
         self._buckets = [[0, 0, 0] for _ in range(_BUCKETS)]  # calls, failures, slow
+        self._totals = [0, 0, 0]  # the same, summed over the buckets
 
     # -- public --------------------------------------------------------------------------
 
@@ -212,30 +213,37 @@ class CircuitBreaker:
         index = int(now // self._bucket_span)
         if index != self._bucket_index:
             stale = min(index - self._bucket_index, _BUCKETS)
+            totals = self._totals
             for step in range(1, stale + 1):
-                self._buckets[(self._bucket_index + step) % _BUCKETS] = [0, 0, 0]
+                slot = (self._bucket_index + step) % _BUCKETS
+                old = self._buckets[slot]
+                totals[0] -= old[0]
+                totals[1] -= old[1]
+                totals[2] -= old[2]
+                self._buckets[slot] = [0, 0, 0]
             self._bucket_index = index
         return self._buckets[index % _BUCKETS]
 
     def _count(self, now: float, ok: bool, slow: bool) -> None:
-        bucket = self._rotate(now)
+        bucket, totals = self._rotate(now), self._totals
         bucket[0] += 1
+        totals[0] += 1
         if not ok:
             bucket[1] += 1
+            totals[1] += 1
             self._streak += 1
         else:
             self._streak = 0
         if slow:
             bucket[2] += 1
+            totals[2] += 1
 
     def _should_open(self) -> bool:
         if self._streak >= self.consecutive_failures:
             return True
-        calls = sum(b[0] for b in self._buckets)
+        calls, failures, slow = self._totals
         if calls < self.min_calls:
             return False
-        failures = sum(b[1] for b in self._buckets)
-        slow = sum(b[2] for b in self._buckets)
         return failures >= self.failure_ratio * calls or slow >= self.slow_ratio * calls
 
     def _move(self, new: BreakerState, now: float) -> None:
@@ -252,6 +260,7 @@ class CircuitBreaker:
         self._good_probes = 0
         self._probe_in_flight = False
         self._buckets = [[0, 0, 0] for _ in range(_BUCKETS)]
+        self._totals = [0, 0, 0]
         if old is not new:
             self._events.append((old, new))
 

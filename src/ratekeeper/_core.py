@@ -167,17 +167,25 @@ class Core:
         """
         policy = call.policy
         allowed = int(reply[0]) == 1
-        rows = [
-            tuple(int(v) for v in reply[1 + 3 * i : 4 + 3 * i]) for i in range(len(policy.rates))
-        ]
-        denying = [i for i, row in enumerate(rows) if row[2] != RETRY_NONE]
-        if not allowed and denying:
-            best = max(
-                denying,
-                key=lambda i: (math.inf if rows[i][2] == RETRY_NEVER else rows[i][2], rows[i][1]),
-            )
+        if len(policy.rates) == 1:
+            best = 0
+            rows = [(int(reply[1]), int(reply[2]), int(reply[3]))]
         else:
-            best = max(range(len(rows)), key=lambda i: (-rows[i][0], rows[i][1]))
+            rows = [
+                (int(reply[1 + 3 * i]), int(reply[2 + 3 * i]), int(reply[3 + 3 * i]))
+                for i in range(len(policy.rates))
+            ]
+            denying = [i for i, row in enumerate(rows) if row[2] != RETRY_NONE]
+            if not allowed and denying:
+                best = max(
+                    denying,
+                    key=lambda i: (
+                        math.inf if rows[i][2] == RETRY_NEVER else rows[i][2],
+                        rows[i][1],
+                    ),
+                )
+            else:
+                best = max(range(len(rows)), key=lambda i: (-rows[i][0], rows[i][1]))
         remaining, reset, retry = rows[best]
         retry_after: float | None = None
         if not allowed and retry != RETRY_NONE:
