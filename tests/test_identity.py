@@ -375,7 +375,11 @@ def test_a_rotating_x_forwarded_for_from_an_untrusted_peer_changes_nothing(
                 plain_app, limiter=limiter, policy=policy, key=client_ip(TRUSTED)
             )
             fakes = [
-                {"X-Forwarded-For": f"198.51.100.{i}", "Forwarded": f"for=192.0.2.{i}"}
+                {
+                    "X-Forwarded-For": f"198.51.100.{i}",
+                    "X-Real-IP": f"192.0.2.{i}",
+                    "Forwarded": f'for="[2001:db8::{i}]";proto=https',
+                }
                 for i in range(20)
             ]
             return await _statuses(app, "203.0.113.7", fakes)
@@ -440,6 +444,12 @@ def test_repeated_forwarding_headers_are_read_right_most_last():
         [("X-Forwarded-For", b"\xff\xfe\x00\x80garbage\xc3(")],
         [("X-API-Key", b"\xc3(\xff"), ("X-Forwarded-For", b"\xed\xa0\x80")],
         [("X-Forwarded-For", "[" * 10_000), ("Forwarded", ";=," * 100_000)],
+        [
+            ("X-Forwarded-For", "fe80::1%eth0, [fe80::2%25en0]:80"),
+            ("Forwarded", 'for="[fe80::3%1]"'),
+        ],
+        [("X-Forwarded-For", ""), ("Forwarded", ""), ("X-API-Key", ""), ("X-Real-IP", "")],
+        [("X-Forwarded-For", ", , ,"), ("Forwarded", "for=;for=,,")],
     ],
 )
 def test_huge_or_garbage_headers_never_crash_the_app(headers: list[tuple[str, Any]]):
