@@ -9,7 +9,9 @@ redis-py (``Retry`` below), which at worst counts a hit twice and never admits o
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -271,6 +273,46 @@ def eviction_warning(info: dict[str, Any]) -> str | None:
     return None
 
 
+#: Seconds between two checks of which server Sentinel calls the primary.
+MASTER_CHECK_INTERVAL = 1.0
+
+
+class _MasterWatch:
+    """Asks Sentinel for the primary at most once per interval; when it changed, redis-py drops
+    the idle connections to the old one. Without this, connections opened before a failover
+    keep writing to the old primary until Sentinel demotes it (seconds later), and those
+    writes, admissions included, are lost."""
+
+    def __init__(self, pool: Any) -> None:
+        self.pool = pool
+        self.next_check = 0.0
+
+    def due(self) -> bool:
+        now = time.monotonic()
+        if now < self.next_check:
+            return False
+        self.next_check = now + MASTER_CHECK_INTERVAL
+        return True
+
+    def check(self) -> None:
+        # If no sentinel answers, the next command finds out on its own.
+        with contextlib.suppress(*CLIENT_ERRORS):
+            self.pool.get_master_address()
+
+    async def acheck(self) -> None:
+        with contextlib.suppress(*CLIENT_ERRORS):
+            await self.pool.get_master_address()
+
+
+def _master_watch(client: Any) -> _MasterWatch | None:
+    pool = getattr(client, "connection_pool", None)
+    if isinstance(
+        pool, (redis.sentinel.SentinelConnectionPool, redis.asyncio.sentinel.SentinelConnectionPool)
+    ):
+        return _MasterWatch(pool)
+    return None
+
+
 class RedisStorage:
     """Runs scripts on a ``redis.Redis`` (or cluster, or sentinel-managed) client.
 
@@ -292,6 +334,7 @@ class RedisStorage:
         self._connect = connect
         self._also_close = also_close  # the connections to the sentinels, if any
         self._checked_eviction = False
+        self._watch = _master_watch(client)
 
     @property
     def client(self) -> Any:
@@ -336,6 +379,8 @@ class RedisStorage:
         return cls(client)
 
     def run(self, script: Script, keys: tuple[str, ...], args: tuple[int | str, ...]) -> list[int]:
+        if self._watch is not None and self._watch.due():
+            self._watch.check()
         client = self.client
         try:
             try:
@@ -373,6 +418,7 @@ class AsyncRedisStorage:
         # cluster; the first call discovers it alone.
         self._ready = not isinstance(client, redis.asyncio.cluster.RedisCluster)
         self._ready_lock = asyncio.Lock()
+        self._watch = _master_watch(client)
 
     async def _discover(self) -> None:
         async with self._ready_lock:
@@ -417,6 +463,8 @@ class AsyncRedisStorage:
     ) -> list[int]:
         if not self._ready:
             await self._discover()
+        if self._watch is not None and self._watch.due():
+            await self._watch.acheck()
         client = self.client
         try:
             try:
