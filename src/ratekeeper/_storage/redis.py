@@ -170,7 +170,6 @@ def _cluster_kwargs(
     merged = {**kwargs, **options}
     if scheme.startswith(("rediss", "valkeys")):
         merged["ssl"] = True
-    merged.pop("retry", None)
     return hosts, merged
 
 
@@ -211,7 +210,10 @@ def _plan(url: str, options: dict[str, Any], retry: Any) -> _Plan:
     kwargs = client_options(options)
     scheme = url.split("://", 1)[0].lower()
     if scheme.endswith("+cluster"):
-        hosts, merged = _cluster_kwargs(url, kwargs)  # the cluster client retries by itself
+        # The cluster client retries a command after refreshing its slot table; once, and
+        # without back-off, so a decision stays near its deadline.
+        hosts, merged = _cluster_kwargs(url, kwargs)
+        merged.setdefault("retry", retry)
         return _Plan("cluster", merged, hosts)
     kwargs.setdefault("retry", retry)
     if scheme.endswith("+sentinel"):
