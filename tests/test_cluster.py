@@ -45,7 +45,6 @@ from .topologies import (
     Driver,
     HitLoad,
     LoadStats,
-    async_hits_warmed,
     exact_again,
     wait_for,
     wait_resumed,
@@ -620,7 +619,7 @@ def test_processes_admit_exactly_the_limit_on_the_cluster(cluster: Cluster, mode
         )  # fmt: skip
     else:
         results = _run_processes(
-            ctx, async_hits_warmed, PROCESSES, **common, tasks=THREADS,
+            ctx, workers.async_hits, PROCESSES, **common, tasks=THREADS,
             hits_per_task=HITS_EACH, barrier=ctx.Barrier(PROCESSES),
         )  # fmt: skip
     elapsed = time.monotonic() - started

@@ -25,7 +25,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
-import os
 import shutil
 import signal
 import subprocess
@@ -859,64 +858,3 @@ def exact_again(
         return True
 
     return probe
-
-
-def async_hits_warmed(
-    *,
-    url: str,
-    key_prefix: str,
-    policy_name: str,
-    rates: str,
-    identity: str,
-    tasks: int,
-    hits_per_task: int,
-    barrier: Any,
-    queue: Any,
-) -> None:
-    """``workers.async_hits`` with one awaited peek before the concurrent ones.
-
-    redis-py's asyncio cluster client, when its first commands run concurrently, can fail some
-    of them with ``AttributeError`` (see ``test_cluster.py::
-    test_async_cluster_limiter_survives_concurrent_first_calls``); one call first initialises
-    it, so this worker measures exactness and nothing else. For ``spawn``: module level.
-    """
-    from . import workers
-
-    policy = Policy(policy_name, rates)
-    errors: list[str] = []
-
-    async def main() -> tuple[int, int]:
-        limiter = AsyncLimiter.from_url(url, **workers.exact_options(key_prefix))
-        try:
-            await limiter.peek(policy, identity)
-            await asyncio.gather(*(limiter.peek(policy, identity) for _ in range(tasks)))
-            barrier.wait(workers.BARRIER_TIMEOUT)
-
-            async def run() -> tuple[int, int]:
-                admitted = denied = 0
-                for _ in range(hits_per_task):
-                    if (await limiter.hit(policy, identity)).allowed:
-                        admitted += 1
-                    else:
-                        denied += 1
-                return admitted, denied
-
-            results = await asyncio.gather(*(run() for _ in range(tasks)), return_exceptions=True)
-        finally:
-            await limiter.close()
-        admitted = denied = 0
-        for result in results:
-            if isinstance(result, BaseException):
-                errors.append(repr(result))
-            else:
-                admitted += result[0]
-                denied += result[1]
-        return admitted, denied
-
-    try:
-        admitted, denied = asyncio.run(main())
-    except Exception as exc:
-        barrier.abort()
-        errors.append(repr(exc))
-        admitted = denied = 0
-    queue.put({"pid": os.getpid(), "admitted": admitted, "denied": denied, "errors": errors})
