@@ -29,17 +29,13 @@ Results: tables on stdout and ``benchmarks/results/algorithms.json``.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
-import platform
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
@@ -48,11 +44,11 @@ import limits.storage
 import limits.strategies
 import redis
 import redis.utils
+from _measure import machine_info, server_cpu
 from _server import Server, find_binaries
 from rich.console import Console
 from rich.table import Table
 
-import ratekeeper
 from ratekeeper import Limiter, ManualClock, Policy
 from ratekeeper._algorithms import ALGORITHMS
 from ratekeeper._core import Call, Core
@@ -532,12 +528,6 @@ def cost_cases(server: Server) -> list[CostCase]:
     return cases
 
 
-def server_cpu(client: redis.Redis) -> float:
-    """CPU seconds the server process has used (user + system, all threads)."""
-    info = client.info("cpu")
-    return float(info["used_cpu_user"]) + float(info["used_cpu_sys"])
-
-
 def run_cost_case(
     client: redis.Redis, case: CostCase, decisions: int, identities: list[str]
 ) -> dict[str, Any]:
@@ -663,42 +653,6 @@ def server_info(server: Server) -> dict[str, Any]:
         "zset_max_listpack_entries": server.client().config_get("zset-max-*-entries"),
         "hash_max_listpack_entries": server.client().config_get("hash-max-*-entries"),
         "list_max_listpack_size": server.client().config_get("list-max-*-size"),
-    }
-
-
-def machine_info() -> dict[str, Any]:
-    try:
-        commit = subprocess.run(
-            ["git", "rev-parse", "HEAD"], cwd=HERE.parent, capture_output=True, text=True,
-            check=True,
-        ).stdout.strip()  # fmt: skip
-    except (OSError, subprocess.CalledProcessError):
-        commit = None
-    digest = hashlib.sha256()
-    package = Path(ratekeeper.__file__).parent
-    for path in sorted(package.rglob("*")):
-        if path.is_file() and path.suffix in (".py", ".lua"):
-            digest.update(str(path.relative_to(package)).encode() + b"\0" + path.read_bytes())
-    cpu_model = None
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu_model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return {
-        "platform": platform.platform(),
-        "machine": platform.machine(),
-        "cpu_model": cpu_model,
-        "cpu_count": os.cpu_count(),
-        "python": sys.version.split()[0],
-        "ratekeeper": ratekeeper.__version__,
-        "ratekeeper_commit": commit,
-        "ratekeeper_source_sha256": digest.hexdigest(),
-        "redis_py": version("redis"),
-        "hiredis": version("hiredis") if redis.utils.HIREDIS_AVAILABLE else None,
-        "limits": version("limits"),
     }
 
 
@@ -837,7 +791,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     console = Console(width=max(Console().width, 160))
     binaries = [b for b in find_binaries() if args.server in ("all", b.flavor)]
-    machine = machine_info()
+    machine = machine_info(None, "limits")
     console.print(
         f"{machine['cpu_count']} CPUs ({machine['cpu_model']}), Python {machine['python']}, "
         f"ratekeeper {machine['ratekeeper']}, redis-py {machine['redis_py']} "

@@ -45,13 +45,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
-import hashlib
 import itertools
 import json
 import os
-import platform
 import statistics
-import subprocess
 import sys
 import time
 from collections import Counter
@@ -63,6 +60,7 @@ from typing import Any
 
 import redis
 import redis.utils
+from _measure import machine_cpu, machine_info, max_load, percentile, server_cpu
 from _server import Server, ServerBinary, find_binary
 from rich.console import Console
 from rich.table import Table
@@ -287,26 +285,6 @@ async def drive(
     return len(latencies), elapsed, latencies, statuses, counts[0], counts[1]
 
 
-def server_cpu(admin: redis.Redis) -> float:
-    info = admin.info("cpu")
-    return float(info["used_cpu_sys"]) + float(info["used_cpu_user"])
-
-
-_TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
-
-
-def machine_cpu() -> tuple[float, float] | None:
-    """(busy, steal) CPU seconds of the whole machine so far, or None off Linux."""
-    try:
-        with open("/proc/stat") as f:
-            fields = [int(v) for v in f.readline().split()[1:]]
-    except (OSError, ValueError):
-        return None
-    # user nice system idle iowait irq softirq steal guest guest_nice; guest is inside user.
-    busy = sum(fields[:8]) - fields[3] - fields[4] - fields[7]
-    return busy / _TICK, fields[7] / _TICK
-
-
 async def run_case(
     admin: redis.Redis,
     app: ASGIApp,
@@ -378,14 +356,6 @@ def check(variant: Variant, sample: Sample, warmup: bool = False) -> list[str]:
         if fields.get("failed_calls") or fields.get("rejected_calls"):
             problems.append(f"{name}: failed/rejected calls {fields}")
     return problems
-
-
-def percentile(sorted_values: list[int], q: float) -> float:
-    """Nearest-rank percentile of already sorted values."""
-    if not sorted_values:
-        return float("nan")
-    index = min(len(sorted_values) - 1, max(0, round(q * len(sorted_values)) - 1))
-    return float(sorted_values[index])
 
 
 def summarize(samples: list[Sample]) -> dict[str, Any]:
@@ -473,43 +443,6 @@ def paired_ratios(
     return ratios
 
 
-def machine_info(server_info: dict[str, Any], event_loop: str) -> dict[str, Any]:
-    try:
-        commit = subprocess.run(
-            ["git", "rev-parse", "HEAD"],
-            cwd=HERE.parent,
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        commit = None
-    # The commit may not be what ran: also fingerprint the package source as it is now.
-    digest = hashlib.sha256()
-    package = Path(ratekeeper.__file__).parent
-    for path in sorted(package.rglob("*")):
-        if path.is_file() and path.suffix in (".py", ".lua"):
-            digest.update(str(path.relative_to(package)).encode() + b"\0" + path.read_bytes())
-    return {
-        "platform": platform.platform(),
-        "machine": platform.machine(),
-        "processor": platform.processor() or None,
-        "cpu_count": os.cpu_count(),
-        "python": sys.version.split()[0],
-        "python_implementation": platform.python_implementation(),
-        "event_loop": event_loop,
-        "ratekeeper": ratekeeper.__version__,
-        "ratekeeper_commit": commit,
-        "ratekeeper_source_sha256": digest.hexdigest(),
-        "redis_py": version("redis"),
-        "hiredis": version("hiredis") if redis.utils.HIREDIS_AVAILABLE else None,
-        "starlette": version("starlette"),
-        "slowapi": version("slowapi"),
-        "limits": version("limits"),
-        "server": server_info,
-    }
-
-
 # --- running ----------------------------------------------------------------------------------
 
 
@@ -583,11 +516,6 @@ async def run_all(
     return samples, problems, f"{loop.__module__}.{loop.__qualname__}"
 
 
-def _max_load(values: list[float | None]) -> str:
-    known = [v for v in values if v is not None]
-    return f"{max(known):.2f}" if known else "-"
-
-
 def _statuses(s: dict[str, Any]) -> str:
     return ", ".join(f"{code} x {n:,}" for code, n in sorted(s["statuses"].items()))
 
@@ -634,7 +562,7 @@ def print_tables(
                 f"{s['server_evalsha_calls_per_request']:.3f}",
                 "-" if ev is None else f"{ev:.1f}",
                 _statuses(s),
-                _max_load(s["foreign_load_cpus_per_round"]),
+                max_load(s["foreign_load_cpus_per_round"]),
                 end_section=variant is VARIANTS[-1],
             )
     console.print(table)
@@ -704,7 +632,9 @@ def main(argv: list[str] | None = None) -> int:
     results = {
         "benchmark": "asgi_middleware",
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "machine": machine_info(server_info, event_loop),
+        "machine": machine_info(
+            server_info, "starlette", "slowapi", "limits", event_loop=event_loop
+        ),
         "config": {
             "seconds_per_case": args.seconds,
             "rounds": args.rounds,

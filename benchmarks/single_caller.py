@@ -23,13 +23,10 @@ from __future__ import annotations
 
 import argparse
 import gc
-import hashlib
 import itertools
 import json
 import os
-import platform
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -44,6 +41,7 @@ import limits.strategies
 import redis
 import redis.utils
 from _calls import hit_call
+from _measure import machine_cpu, machine_info, max_load, percentile, server_cpu
 from _server import Server, ServerBinary, find_binary
 from rich.console import Console
 from rich.table import Table
@@ -205,26 +203,6 @@ FACTORIES: dict[str, Factory] = {
 }
 
 
-def server_cpu(admin: redis.Redis) -> float:
-    info = admin.info("cpu")
-    return float(info["used_cpu_sys"]) + float(info["used_cpu_user"])
-
-
-_TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
-
-
-def machine_cpu() -> tuple[float, float] | None:
-    """(busy, steal) CPU seconds of the whole machine so far, or None off Linux."""
-    try:
-        with open("/proc/stat") as f:
-            fields = [int(v) for v in f.readline().split()[1:]]
-    except (OSError, ValueError):
-        return None
-    # user nice system idle iowait irq softirq steal guest guest_nice; guest is inside user.
-    busy = sum(fields[:8]) - fields[3] - fields[4] - fields[7]
-    return busy / _TICK, fields[7] / _TICK
-
-
 def run_case(admin: redis.Redis, runner: Runner, duration_ns: int) -> Sample:
     """Run one case from an empty store with fresh server stats."""
     admin.flushall()
@@ -251,14 +229,6 @@ def run_case(admin: redis.Redis, runner: Runner, duration_ns: int) -> Sample:
         sample.machine_busy_s = machine1[0] - machine0[0]
         sample.steal_s = machine1[1] - machine0[1]
     return sample
-
-
-def percentile(sorted_values: list[int], q: float) -> float:
-    """Nearest-rank percentile of already sorted values."""
-    if not sorted_values:
-        return float("nan")
-    index = min(len(sorted_values) - 1, max(0, round(q * len(sorted_values)) - 1))
-    return float(sorted_values[index])
 
 
 def summarize(samples: list[Sample]) -> dict[str, Any]:
@@ -308,40 +278,6 @@ def summarize(samples: list[Sample]) -> dict[str, Any]:
         "steal_cpus_per_round": [
             None if s.steal_s is None else s.steal_s / (s.elapsed_ns / 1e9) for s in samples
         ],
-    }
-
-
-def machine_info(binary_info: dict[str, str]) -> dict[str, Any]:
-    try:
-        commit = subprocess.run(
-            ["git", "rev-parse", "HEAD"],
-            cwd=HERE.parent,
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        commit = None
-    # The commit may not be what ran: also fingerprint the package source as it is now.
-    digest = hashlib.sha256()
-    package = Path(ratekeeper.__file__).parent
-    for path in sorted(package.rglob("*")):
-        if path.is_file() and path.suffix in (".py", ".lua"):
-            digest.update(str(path.relative_to(package)).encode() + b"\0" + path.read_bytes())
-    return {
-        "platform": platform.platform(),
-        "machine": platform.machine(),
-        "processor": platform.processor() or None,
-        "cpu_count": os.cpu_count(),
-        "python": sys.version.split()[0],
-        "python_implementation": platform.python_implementation(),
-        "ratekeeper": ratekeeper.__version__,
-        "ratekeeper_commit": commit,
-        "ratekeeper_source_sha256": digest.hexdigest(),
-        "redis_py": version("redis"),
-        "hiredis": version("hiredis") if redis.utils.HIREDIS_AVAILABLE else None,
-        "limits": version("limits"),
-        "server": binary_info,
     }
 
 
@@ -435,11 +371,6 @@ def paired_ratios(
     return ratios
 
 
-def _max_load(values: list[float | None]) -> str:
-    known = [v for v in values if v is not None]
-    return f"{max(known):.2f}" if known else "-"
-
-
 def print_tables(
     console: Console,
     args: argparse.Namespace,
@@ -473,7 +404,7 @@ def print_tables(
             f"{s['server_cpu_us_per_call']:.1f}",
             f"{s['client_cpu_us_per_call']:.1f}",
             f"{s['admitted_fraction']:.1%}",
-            _max_load(s["foreign_load_cpus_per_round"]),
+            max_load(s["foreign_load_cpus_per_round"]),
         )
     console.print(table)
     worst = max(v or 0.0 for s in summary.values() for v in s["foreign_load_cpus_per_round"])
@@ -527,7 +458,7 @@ def main(argv: list[str] | None = None) -> int:
     results = {
         "benchmark": "single_caller",
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "machine": machine_info(server_info),
+        "machine": machine_info(server_info, "limits"),
         "config": {
             "seconds_per_case": args.seconds,
             "rounds": args.rounds,
