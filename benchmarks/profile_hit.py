@@ -22,7 +22,6 @@ import timeit
 from collections.abc import Callable
 
 import redis
-from _calls import hit_call
 from _server import Server, find_binary
 
 from ratekeeper import Limiter, Policy
@@ -48,14 +47,14 @@ def profile_hits(limiter: Limiter, policy: Policy, identities: list[str], n: int
 
 def time_pieces(storage: RedisStorage, policy: Policy) -> None:
     core = Core()
-    call = hit_call(core, policy, "user:1")
+    call = core.hit(policy, "user:1", 1)
     reply = storage.run(call.script, call.keys, call.args)
     pool = storage.client.connection_pool
     connection = pool.get_connection()
     try:
         command = ("EVALSHA", call.script.sha, len(call.keys), *call.keys, *call.args)
         pieces: dict[str, Callable[[], object]] = {
-            "Core.hit (keys + args + token)": lambda: hit_call(core, policy, "user:1"),
+            "Core.hit (keys + args + token)": lambda: core.hit(policy, "user:1", 1),
             "KeyBuilder.tag (blake2b + b64)": lambda: core.keys.tag("bench", "user:1"),
             "Core.decide (reply -> Decision)": lambda: core.decide(call, reply),
             "redis-py pack_command": lambda: connection.pack_command(*command),
@@ -102,7 +101,7 @@ def three_ways(limiter: Limiter, policy: Policy, identities: list[str], n: int) 
     results: dict[str, list[float]] = {label: [] for label in ways}
     for _ in range(3):
         for label, fn in ways.items():
-            calls = [hit_call(core, policy, identities[i % k]) for i in range(n)]
+            calls = [core.hit(policy, identities[i % k], 1) for i in range(n)]
             t0 = time.perf_counter()
             fn(calls)
             results[label].append((time.perf_counter() - t0) / n * 1e6)

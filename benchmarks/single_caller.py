@@ -40,7 +40,6 @@ import limits.storage
 import limits.strategies
 import redis
 import redis.utils
-from _calls import hit_call
 from _measure import machine_cpu, machine_info, max_load, percentile, server_cpu
 from _server import Server, ServerBinary, find_binary
 from rich.console import Console
@@ -166,7 +165,7 @@ def raw_runner(url: str, identities: list[str], rate: str) -> tuple[Runner, Call
     # and the server would run a smaller workload than ratekeeper's).
     calls = []
     for identity in identities:
-        call = hit_call(core, policy, identity)
+        call = core.hit(policy, identity, 1)
         assert isinstance(call.args[3], str), "ARGV[4] should be the token"
         calls.append((call.keys, call.args[:3], call.args[4:]))
     nonce = os.urandom(6).hex()
