@@ -415,3 +415,23 @@ def test_an_int_identity_too_large_to_print_is_a_config_error() -> None:
     limiter = Limiter.from_url("memory://")
     with pytest.raises(ConfigError, match="int identity"):
         limiter.hit(Policy("big", "1/second"), 10**5000)
+
+
+def test_key_cache_keeps_only_short_identities_and_tells_types_apart() -> None:
+    from ratekeeper._keys import KEY_CACHE_SIZE, KeyBuilder
+
+    builder = KeyBuilder("kc")
+    short = builder.keys("p", "alice", ("log",))
+    assert builder.keys("p", "alice", ("log",)) is short  # served from the cache
+    huge = "x" * 1_000_000
+    before = builder._cached.cache_info().currsize
+    assert builder.keys("p", huge, ("log",)) == builder.keys("p", huge, ("log",))
+    assert builder._cached.cache_info().currsize == before  # a huge identity is never kept
+    assert builder.keys("p", 1, ("log",)) == builder.keys("p", "1", ("log",))
+    with pytest.raises(ConfigError, match="identity must be"):
+        builder.keys("p", True, ("log",))  # not served as the cached 1
+    with pytest.raises(ConfigError, match="identity must be"):
+        builder.keys("p", ["unhashable"], ("log",))  # type: ignore[arg-type]
+    for i in range(KEY_CACHE_SIZE * 2):
+        builder.keys("p", i, ("log",))
+    assert builder._cached.cache_info().currsize == KEY_CACHE_SIZE  # bounded

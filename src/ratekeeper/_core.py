@@ -133,6 +133,10 @@ class Core:
             )
         return self._call(policy, identity, cost, HIT, _TOKENS.next())
 
+    def first_key(self, policy: Policy, identity: Identity) -> str:
+        """The key a cached denial of ``identity`` under ``policy`` is filed under."""
+        return self.keys.keys(policy.name, identity, get_algorithm(policy.algorithm).suffixes)[0]
+
     def peek(self, policy: Policy, identity: Identity, cost: int) -> Call:
         """The call that tells whether ``cost`` would be admitted, consuming nothing."""
         _check_policy(policy)

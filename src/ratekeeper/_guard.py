@@ -102,10 +102,14 @@ class _DenyCache:
             # Only the same cost has the same wait: a larger one may need longer, or never fit.
             return None
         reset = max(round(decision.reset_after * 1_000_000) - (now - at), 0)
-        return replace(
-            decision,
-            retry_after=(until - now) / 1_000_000,
+        return Decision(  # built directly: dataclasses.replace costs more than the lookup
+            allowed=False,
+            limit=decision.limit,
+            remaining=decision.remaining,
             reset_after=reset / 1_000_000,
+            retry_after=(until - now) / 1_000_000,
+            policy=decision.policy,
+            rate=decision.rate,
             reason="deny_cache",
         )
 
@@ -176,6 +180,15 @@ class Guard:
         self._log = _Throttled()
 
     # -- the flow ------------------------------------------------------------------------
+
+    def cached(self, policy: Policy, key: str) -> Decision | None:
+        """A cached denial of a cost-1 hit on ``key``, before any call is built; or None."""
+        if self._deny is None or policy.algorithm not in _CACHEABLE:
+            return None
+        cached = self._deny.lookup(key, 1)
+        if cached is not None:
+            self.metrics.decision(cached)
+        return cached
 
     def before(self, call: Call) -> Decision | None:
         """A decision made without the store, or None to ask the store."""

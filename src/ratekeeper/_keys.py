@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import re
 from base64 import urlsafe_b64encode
+from functools import lru_cache
 from hashlib import blake2b
 
 from ._errors import ConfigError
@@ -45,10 +46,15 @@ def identity_bytes(identity: Identity) -> bytes:
     raise ConfigError(f"identity must be str, bytes or int, got {type(identity).__name__}")
 
 
+#: Recent (policy, identity) pairs whose keys are kept ready (about 300 bytes each).
+KEY_CACHE_SIZE = 4096
+_CACHED_IDENTITY_LEN = 256
+
+
 class KeyBuilder:
     """Builds the keys of one decision from a policy name and an identity."""
 
-    __slots__ = ("prefix",)
+    __slots__ = ("_cached", "prefix")
 
     def __init__(self, prefix: str = DEFAULT_KEY_PREFIX) -> None:
         if not isinstance(prefix, str) or _PREFIX.fullmatch(prefix) is None:
@@ -57,6 +63,8 @@ class KeyBuilder:
                 "A-Z a-z 0-9 _ . : / - (no braces: they would become the cluster hash tag)"
             )
         self.prefix = prefix
+        # Hot identities (a flood, a busy user) skip the digest; typed, so 1 and True differ.
+        self._cached = lru_cache(maxsize=KEY_CACHE_SIZE, typed=True)(self._build)
 
     def tag(self, policy_name: str, identity: Identity) -> str:
         """The hash tag shared by every key of one (policy, identity)."""
@@ -72,5 +80,15 @@ class KeyBuilder:
         self, policy_name: str, identity: Identity, suffixes: tuple[str, ...]
     ) -> tuple[str, ...]:
         """The keys of one decision: one per suffix, all in the same cluster slot."""
+        if isinstance(identity, (str, bytes)) and len(identity) > _CACHED_IDENTITY_LEN:
+            return self._build(policy_name, identity, suffixes)  # never kept: it may be huge
+        try:
+            return self._cached(policy_name, identity, suffixes)
+        except TypeError:  # an unhashable identity: _build says what is wrong with it
+            return self._build(policy_name, identity, suffixes)
+
+    def _build(
+        self, policy_name: str, identity: Identity, suffixes: tuple[str, ...]
+    ) -> tuple[str, ...]:
         base = f"{self.prefix}:{policy_name}:{{{self.tag(policy_name, identity)}}}:"
         return tuple(base + suffix for suffix in suffixes)

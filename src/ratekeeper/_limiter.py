@@ -66,9 +66,22 @@ _LIMITER_OPTIONS = frozenset(
 
 
 def _split(options: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(limiter options, storage options)."""
+    """(limiter options, storage options).
+
+    A call is slow for the default breaker when it takes longer than the store ``timeout``
+    the user chose (20 ms by default): a patient limiter is not tripped by calls it waits for.
+    """
     mine = {k: v for k, v in options.items() if k in _LIMITER_OPTIONS}
-    return mine, {k: v for k, v in options.items() if k not in _LIMITER_OPTIONS}
+    theirs = {k: v for k, v in options.items() if k not in _LIMITER_OPTIONS}
+    timeout = theirs.get("timeout")
+    if (
+        "breaker" not in mine
+        and isinstance(timeout, (int, float))
+        and not isinstance(timeout, bool)
+        and timeout > 0
+    ):
+        mine["breaker"] = CircuitBreaker(slow_call=float(timeout))
+    return mine, theirs
 
 
 class Limiter(_Base):
@@ -98,7 +111,8 @@ class Limiter(_Base):
           ``failure_mode`` overrides it.
         * ``local_share``: the share of each limit a process may grant in ``local`` mode, e.g.
           ``1 / number_of_instances`` (default 1.0).
-        * ``breaker``: a configured :class:`CircuitBreaker` (default: one with its defaults).
+        * ``breaker``: a configured :class:`CircuitBreaker` (default: one with its defaults,
+          whose ``slow_call`` is the ``timeout`` below when one is given).
         * ``deny_cache``: entries in the local cache of exact denials (default 10,000; 0 = off).
         * ``metrics``: a :class:`ratekeeper.metrics.Metrics` hook.
         * Redis URLs also take ``timeout`` (seconds per call, default 0.02),
@@ -128,6 +142,10 @@ class Limiter(_Base):
 
     def hit(self, policy: Policy, identity: Identity, cost: int = 1) -> Decision:
         """Consume ``cost`` if every rate of ``policy`` admits it; otherwise change nothing."""
+        if cost == 1 and type(cost) is int and type(policy) is Policy:
+            cached = self._guard.cached(policy, self._core.first_key(policy, identity))
+            if cached is not None:  # a flood on a denied key: no call is even built
+                return cached
         return self._run(self._core.hit(policy, identity, cost))
 
     def peek(self, policy: Policy, identity: Identity, cost: int = 1) -> Decision:
@@ -204,6 +222,10 @@ class AsyncLimiter(_Base):
 
     async def hit(self, policy: Policy, identity: Identity, cost: int = 1) -> Decision:
         """Consume ``cost`` if every rate of ``policy`` admits it; otherwise change nothing."""
+        if cost == 1 and type(cost) is int and type(policy) is Policy:
+            cached = self._guard.cached(policy, self._core.first_key(policy, identity))
+            if cached is not None:
+                return cached
         return await self._run(self._core.hit(policy, identity, cost))
 
     async def peek(self, policy: Policy, identity: Identity, cost: int = 1) -> Decision:

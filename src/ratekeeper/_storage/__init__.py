@@ -66,11 +66,16 @@ def open_sync(url: str, *, clock: Clock | None = None, **options: Any) -> SyncSt
     return RedisStorage.from_url(_redis_url(url, scheme), **options)
 
 
-def open_async(url: str, *, clock: Clock | None = None, **options: Any) -> AsyncStorage:
-    """An asyncio storage for ``url``."""
+def open_async(
+    url: str, *, clock: Clock | None = None, batching: bool = True, **options: Any
+) -> AsyncStorage:
+    """An asyncio storage for ``url``. ``batching`` (Redis only; memory makes no round trips)
+    coalesces concurrent calls into pipelined round trips."""
     scheme = _scheme(url)
+    if not isinstance(batching, bool):
+        raise ConfigError(f"batching must be True or False, got {batching!r}")
     if scheme == "memory":
         return AsyncMemoryStorage(clock=_memory_clock(url, options, clock))
     from .redis import AsyncRedisStorage
 
-    return AsyncRedisStorage.from_url(_redis_url(url, scheme), **options)
+    return AsyncRedisStorage.from_url(_redis_url(url, scheme), batching=batching, **options)

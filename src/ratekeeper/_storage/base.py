@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import re
 from typing import Protocol
 
 from .._scripts import Script
 
-__all__ = ["AsyncStorage", "SyncStorage"]
+__all__ = ["AsyncStorage", "SyncStorage", "redact"]
 
 
 class SyncStorage(Protocol):
@@ -41,3 +42,11 @@ class AsyncStorage(Protocol):
     async def close(self) -> None:
         """Release connections."""
         ...
+
+
+_PASSWORD = re.compile(r"^([a-z0-9+.-]+://[^:@/]*):[^@/]*@", re.IGNORECASE)
+
+
+def redact(url: str) -> str:
+    """``url`` with its password, if any, replaced by ``***`` (for messages and logs)."""
+    return _PASSWORD.sub(r"\1:***@", url)

@@ -11,10 +11,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
+import sys
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from .._errors import (
     ConfigError,
@@ -25,6 +28,8 @@ from .._errors import (
     StorageUnavailable,
 )
 from .._scripts import Script
+from ._batch import Batcher, Pending
+from .base import redact
 
 try:
     import redis
@@ -34,6 +39,7 @@ try:
     import redis.asyncio.sentinel
     import redis.cluster
     import redis.sentinel
+    from hiredis import pack_command as _hiredis_pack
     from redis.backoff import NoBackoff
     from redis.exceptions import (
         AskError,
@@ -50,6 +56,15 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
     raise ConfigError(
         "Redis support needs the 'redis' extra: pip install 'ratekeeper[redis]'"
     ) from exc
+
+#: hiredis's RESP encoder, several times faster than redis-py's asyncio one (its stub types the
+#: argument as a 1-tuple).
+pack_command = cast(Callable[[tuple[Any, ...]], bytes], _hiredis_pack)
+
+if sys.version_info >= (3, 11):
+    from asyncio import timeout as _deadline
+else:  # redis-py depends on async-timeout there
+    from async_timeout import timeout as _deadline  # type: ignore[import-not-found]
 
 __all__ = [
     "AsyncRedisStorage",
@@ -244,17 +259,23 @@ CLIENT_ERRORS = (redis.RedisError, RedisClusterException)
 
 
 def _translate(exc: Exception) -> StorageError | RequestRejected:
-    """Map a redis-py error to ratekeeper's tree; the caller raises it ``from exc``."""
+    """Map a redis-py error to ratekeeper's tree, with ``exc`` as its ``__cause__`` (also when
+    it is handed to a waiting caller rather than raised here)."""
+    error: StorageError | RequestRejected
     if isinstance(exc, redis.TimeoutError):
-        return StorageTimeout(f"the store did not answer in time: {exc}")
-    if isinstance(exc, (redis.ConnectionError, RedisClusterException)):
+        error = StorageTimeout(f"the store did not answer in time: {exc}")
+    elif isinstance(exc, (redis.ConnectionError, RedisClusterException)):
         # RedisClusterException: no reachable node, or a slot no node serves.
-        return StorageUnavailable(f"cannot reach the store: {exc}")
-    if isinstance(exc, redis.ResponseError):
+        error = StorageUnavailable(f"cannot reach the store: {exc}")
+    elif isinstance(exc, redis.ResponseError):
         if isinstance(exc, _STORE_STATE_CLASSES) or str(exc).startswith(_STORE_STATE_ERRORS):
-            return StorageResponseError(f"the store cannot serve the command: {exc}")
-        return RequestRejected(f"the store rejected the request: {exc}")
-    return StorageError(f"store error: {exc}")
+            error = StorageResponseError(f"the store cannot serve the command: {exc}")
+        else:
+            error = RequestRejected(f"the store rejected the request: {exc}")
+    else:
+        error = StorageError(f"store error: {exc}")
+    error.__cause__ = exc
+    return error
 
 
 def eviction_warning(info: dict[str, Any]) -> str | None:
@@ -337,6 +358,12 @@ class RedisStorage:
         self._also_close = also_close  # the connections to the sentinels, if any
         self._checked_eviction = False
         self._watch = _master_watch(client)
+        # A plain client (one server, no Sentinel) takes the lean path.
+        self._lean = (
+            _Lean(client.connection_pool)
+            if type(client) is redis.Redis and type(client.connection_pool) is redis.ConnectionPool
+            else None
+        )
 
     @property
     def client(self) -> Any:
@@ -352,9 +379,12 @@ class RedisStorage:
     def _check_eviction(self) -> None:
         self._checked_eviction = True
         try:
-            info: Any = self.client.info("memory")  # a dict; redis-py types vary by version
+            if self._lean is not None:  # on its own connection, not a second one from the pool
+                info: Any = _parse_info(self._lean.execute(("INFO", "memory")))
+            else:
+                info = self.client.info("memory")  # a dict; redis-py types vary by version
             warning = eviction_warning(info)
-        except CLIENT_ERRORS:  # INFO may be forbidden on a managed server
+        except (*CLIENT_ERRORS, StorageError, RequestRejected):  # INFO may be forbidden
             return
         if warning:
             log.warning("%s", warning)
@@ -377,12 +407,24 @@ class RedisStorage:
                 return cls(client, also_close=tuple(sentinel.sentinels))
             client = redis.Redis.from_url(url, **plan.kwargs)
         except (ValueError, TypeError, *CLIENT_ERRORS) as exc:
-            raise ConfigError(f"invalid Redis URL or options {url!r}: {exc}") from exc
+            raise ConfigError(f"invalid Redis URL or options {redact(url)!r}: {exc}") from exc
         return cls(client)
 
     def run(self, script: Script, keys: tuple[str, ...], args: tuple[int | str, ...]) -> list[int]:
-        if self._watch is not None and self._watch.due():
-            self._watch.check()
+        if self._lean is not None:
+            reply = self._lean.run(script, keys, args)
+        else:
+            if self._watch is not None and self._watch.due():
+                self._watch.check()
+            reply = self._run_one(script, keys, args)
+        if not self._checked_eviction:
+            self._check_eviction()
+        return reply
+
+    def _run_one(
+        self, script: Script, keys: tuple[str, ...], args: tuple[int | str, ...]
+    ) -> list[int]:
+        """One call through redis-py's own command path (redirections, retries)."""
         client = self.client
         try:
             try:
@@ -392,8 +434,6 @@ class RedisStorage:
                 reply = client.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)  # type: ignore[no-untyped-call]
         except CLIENT_ERRORS as exc:
             raise _translate(exc) from exc
-        if not self._checked_eviction:
-            self._check_eviction()
         return reply  # type: ignore[no-any-return]
 
     def delete(self, keys: tuple[str, ...]) -> None:
@@ -403,33 +443,142 @@ class RedisStorage:
             raise _translate(exc) from exc
 
     def close(self) -> None:
+        if self._lean is not None:
+            self._lean.close()
         if self._client is not None:
             self._client.close()
         for other in self._also_close:
             other.close()
 
 
-class AsyncRedisStorage:
-    """Runs scripts on a ``redis.asyncio.Redis`` client."""
+class _Lean:
+    """The blocking fast path to one server: EVALSHA packed by hiredis, written to a connection
+    kept for this purpose and read back through redis-py's parser.
 
-    def __init__(self, client: Any, *, also_close: tuple[Any, ...] = ()) -> None:
+    It skips what redis-py does per command and a limiter does not need: checking a pooled
+    connection out and in (a lock and a readiness poll each time), the retry wrapper, response
+    callbacks. Connections come from the client's pool, once, and are kept on a stack; a
+    thread pops one, so threads never share a connection. A connection whose exchange did not
+    end cleanly is disconnected before it goes back (it reconnects on its next use), so no
+    stale reply can be read as another call's.
+    """
+
+    def __init__(self, pool: Any) -> None:
+        self.pool = pool
+        self.idle: list[Any] = []
+        _LEAN.add(self)
+
+    def run(self, script: Script, keys: tuple[str, ...], args: tuple[int | str, ...]) -> list[int]:
+        command = ("EVALSHA", script.sha, len(keys), *keys, *args)
+        return self.execute(command, script)  # type: ignore[no-any-return]
+
+    def execute(self, command: tuple[Any, ...], script: Script | None = None) -> Any:
+        """Run one command and return its reply; with ``script``, load it on NOSCRIPT and
+        send the command once more. Errors are translated."""
+        try:
+            connection = self.idle.pop()
+        except IndexError:
+            try:
+                connection = self.pool.get_connection()
+            except CLIENT_ERRORS as exc:
+                raise _translate(exc) from exc
+        packed = [pack_command(command)]
+        clean = False
+        try:
+            try:
+                reply = _exchange(connection, packed)
+            except redis.ConnectionError:
+                # Broken (a restart, an idle timeout): once more on a fresh connection.
+                connection.disconnect()
+                reply = _exchange(connection, packed)
+            if script is not None and isinstance(reply, NoScriptError):
+                _exchange(connection, [pack_command(("SCRIPT", "LOAD", script.source))])
+                reply = _exchange(connection, packed)
+            clean = True
+        except CLIENT_ERRORS as exc:
+            raise _translate(exc) from exc
+        finally:
+            if not clean:
+                connection.disconnect()
+            self.idle.append(connection)
+        if isinstance(reply, redis.ResponseError):
+            raise _translate(reply) from reply
+        return reply
+
+    def close(self) -> None:
+        idle, self.idle = self.idle, []
+        for connection in idle:
+            connection.disconnect()
+
+    def forget(self) -> None:
+        """In a forked child: the parent's sockets are not this process's to use."""
+        self.idle = []
+
+
+def _exchange(connection: Any, packed: list[bytes]) -> Any:
+    """The reply, or the error reply as an exception object (not raised)."""
+    connection.send_packed_command(packed, False)
+    try:
+        return connection.read_response()
+    except redis.ResponseError as exc:
+        return exc
+
+
+def _parse_info(raw: bytes) -> dict[str, str]:
+    """``INFO``'s ``name:value`` lines."""
+    fields = {}
+    for line in raw.decode(errors="replace").splitlines():
+        name, sep, value = line.partition(":")
+        if sep and not name.startswith("#"):
+            fields[name] = value
+    return fields
+
+
+_LEAN: weakref.WeakSet[_Lean] = weakref.WeakSet()
+
+
+def _forget_after_fork() -> None:
+    for lean in list(_LEAN):
+        lean.forget()
+
+
+os.register_at_fork(after_in_child=_forget_after_fork)
+
+
+class AsyncRedisStorage:
+    """Runs scripts on a ``redis.asyncio.Redis`` client (or cluster, or sentinel-managed).
+
+    Calls are auto-batched (see ``_batch``): those made while a round trip is in flight go out
+    together in the next one, as a pipeline on one connection (in a cluster, one per node).
+    ``batching=False`` sends each call on its own.
+    """
+
+    def __init__(
+        self, client: Any, *, also_close: tuple[Any, ...] = (), batching: bool = True
+    ) -> None:
         self.client = client
         self._also_close = also_close  # the connections to the sentinels, if any
         self._checked_eviction = False
+        self._cluster = isinstance(client, redis.asyncio.cluster.RedisCluster)
         # redis-py's asyncio cluster client breaks when many first calls race to discover the
         # cluster; the first call discovers it alone.
-        self._ready = not isinstance(client, redis.asyncio.cluster.RedisCluster)
+        self._ready = not self._cluster
         self._ready_lock = asyncio.Lock()
         self._watch = _master_watch(client)
+        self._batcher: Batcher | None = None
+        if batching:
+            send = self._send_cluster if self._cluster else self._send_single
+            self._batcher = Batcher(send, lanes=BATCH_LANES)
 
     async def _discover(self) -> None:
+        """(Re)discover the cluster, one caller at a time."""
         async with self._ready_lock:
-            if not self._ready:
+            if self.client._initialize:  # set until discovered, and again after a topology error
                 try:
                     await self.client.initialize()
                 except CLIENT_ERRORS as exc:
                     raise _translate(exc) from exc
-                self._ready = True
+            self._ready = True
 
     async def _check_eviction(self) -> None:
         self._checked_eviction = True
@@ -441,7 +590,7 @@ class AsyncRedisStorage:
             log.warning("%s", warning)
 
     @classmethod
-    def from_url(cls, url: str, **options: Any) -> AsyncRedisStorage:
+    def from_url(cls, url: str, *, batching: bool = True, **options: Any) -> AsyncRedisStorage:
         try:
             retry = redis.asyncio.retry.Retry(NoBackoff(), 1, supported_errors=_RECONNECT)
             plan = _plan(url, options, retry)
@@ -453,12 +602,12 @@ class AsyncRedisStorage:
                     plan.hosts, sentinel_kwargs=plan.sentinel_kwargs, **plan.kwargs
                 )
                 client = sentinel.master_for(plan.service, **plan.kwargs)
-                return cls(client, also_close=tuple(sentinel.sentinels))
+                return cls(client, also_close=tuple(sentinel.sentinels), batching=batching)
             else:
                 client = redis.asyncio.Redis.from_url(url, **plan.kwargs)
         except (ValueError, TypeError, *CLIENT_ERRORS) as exc:
-            raise ConfigError(f"invalid Redis URL or options {url!r}: {exc}") from exc
-        return cls(client)
+            raise ConfigError(f"invalid Redis URL or options {redact(url)!r}: {exc}") from exc
+        return cls(client, batching=batching)
 
     async def run(
         self, script: Script, keys: tuple[str, ...], args: tuple[int | str, ...]
@@ -467,6 +616,18 @@ class AsyncRedisStorage:
             await self._discover()
         if self._watch is not None and self._watch.due():
             await self._watch.acheck()
+        if self._batcher is not None:
+            reply: list[int] = await self._batcher.submit(script, keys, args)
+        else:
+            reply = await self._run_one(script, keys, args)
+        if not self._checked_eviction:
+            await self._check_eviction()
+        return reply
+
+    async def _run_one(
+        self, script: Script, keys: tuple[str, ...], args: tuple[int | str, ...]
+    ) -> list[int]:
+        """One call through redis-py's own command path (redirections, retries)."""
         client = self.client
         try:
             try:
@@ -476,9 +637,69 @@ class AsyncRedisStorage:
                 reply = await client.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)  # type: ignore[no-untyped-call]
         except CLIENT_ERRORS as exc:
             raise _translate(exc) from exc
-        if not self._checked_eviction:
-            await self._check_eviction()
         return reply  # type: ignore[no-any-return]
+
+    async def _send_single(self, batch: list[Pending]) -> None:
+        pool = self.client.connection_pool
+        try:
+            connection = await pool.get_connection()
+        except CLIENT_ERRORS as exc:
+            _fail_all(batch, exc)
+            return
+        try:
+            await _pipeline(connection, batch, retries=1, reroute=False)
+        finally:
+            await pool.release(connection)
+
+    async def _send_cluster(self, batch: list[Pending]) -> None:
+        """Group the calls by the node that serves their slot, one pipeline per node. Calls the
+        grouping cannot place, or that meet a redirection or a broken connection, go through
+        redis-py's cluster client one by one, which follows the cluster as it changes."""
+        client = self.client
+        if client._initialize:  # reset by redis-py after a topology error: discover again
+            try:
+                await self._discover()
+            except (StorageError, RequestRejected) as exc:
+                for call in batch:
+                    call.fail(exc)
+                return
+        groups: dict[str, tuple[Any, list[Pending]]] = {}
+        alone: list[Pending] = []
+        for call in batch:
+            try:
+                node = client.get_node_from_key(call.keys[0])
+            except CLIENT_ERRORS:
+                node = None
+            if node is None:
+                alone.append(call)
+            else:
+                groups.setdefault(node.name, (node, []))[1].append(call)
+        await asyncio.gather(
+            *(self._send_node(node, calls) for node, calls in groups.values()),
+            *(self._send_alone(call) for call in alone),
+        )
+
+    async def _send_node(self, node: Any, calls: list[Pending]) -> None:
+        try:
+            connection = node.acquire_connection()
+        except CLIENT_ERRORS:  # the node's connections are all busy
+            await asyncio.gather(*(self._send_alone(call) for call in calls))
+            return
+        try:
+            rerouted = await _pipeline(connection, calls, retries=0, reroute=True)
+        finally:
+            if self.client.nodes_manager.nodes_cache.get(node.name) is node:
+                _release_node_connection(node, connection)
+            else:  # redis-py replaced the node meanwhile; nothing would close this one
+                await connection.disconnect()
+        if rerouted:
+            await asyncio.gather(*(self._send_alone(call) for call in rerouted))
+
+    async def _send_alone(self, call: Pending) -> None:
+        try:
+            call.resolve(await self._run_one(call.script, call.keys, call.args))
+        except (StorageError, RequestRejected) as exc:
+            call.fail(exc)
 
     async def delete(self, keys: tuple[str, ...]) -> None:
         if not self._ready:
@@ -492,3 +713,103 @@ class AsyncRedisStorage:
         await self.client.aclose()
         for other in self._also_close:
             await other.aclose()
+
+
+#: Round trips one asyncio storage keeps in flight at once, each on its own connection.
+BATCH_LANES = 2
+
+#: Error replies after which a call in a cluster batch is sent again through redis-py's cluster
+#: client, which follows redirections and refreshes its slot table.
+_REROUTE = (AskError, ClusterDownError, TryAgainError)
+
+
+def _fail_all(calls: list[Pending], exc: Exception) -> None:
+    error = _translate(exc)
+    for call in calls:
+        call.fail(error)
+
+
+def _release_node_connection(node: Any, connection: Any) -> None:
+    release = getattr(node, "release", None)  # redis-py < 6 had only the free list
+    if release is not None:
+        release(connection)
+    else:
+        node._free.append(connection)
+
+
+async def _pipeline(
+    connection: Any, calls: list[Pending], *, retries: int, reroute: bool
+) -> list[Pending]:
+    """Send ``calls`` as one pipeline on ``connection`` and settle each from its own reply.
+
+    NOSCRIPT: the scripts are loaded and those calls sent once more. A broken connection: the
+    calls without a reply are sent again on a fresh connection, ``retries`` times (as redis-py
+    retries one call; at worst a hit counts twice, never one too few). A timeout fails every
+    call without a reply: those scripts may have run, so they are never sent again.
+
+    With ``reroute`` (a cluster), the calls that were redirected, or whose connection broke, are
+    returned unsettled, for redis-py's cluster client to send.
+    """
+    rerouted: list[Pending] = []
+    missing: list[Pending] = []
+    read = 0
+    try:
+        await connection.send_packed_command(
+            b"".join(
+                [
+                    pack_command(("EVALSHA", c.script.sha, len(c.keys), *c.keys, *c.args))
+                    for c in calls
+                ]
+            ),
+            False,
+        )
+        # One deadline for the whole batch; the replies are read straight from redis-py's
+        # parser, which returns error replies as exception objects.
+        parser = connection._parser
+        async with _deadline(connection.socket_timeout):
+            for call in calls:
+                reply = await parser.read_response()
+                read += 1
+                if not isinstance(reply, redis.ResponseError):
+                    call.resolve(reply)
+                elif isinstance(reply, NoScriptError):
+                    missing.append(call)
+                elif reroute and isinstance(reply, _REROUTE):
+                    rerouted.append(call)
+                else:
+                    call.fail(_translate(reply))
+    except asyncio.CancelledError:
+        await connection.disconnect()  # replies may still be on their way
+        raise
+    except (TimeoutError, redis.TimeoutError) as exc:  # before OSError, its base class
+        await connection.disconnect()
+        if not isinstance(exc, redis.TimeoutError):
+            exc = redis.TimeoutError(f"no reply within {connection.socket_timeout} s")
+        _fail_all(calls[read:] + missing, exc)
+        return rerouted
+    except (redis.ConnectionError, OSError) as exc:
+        await connection.disconnect()
+        unsettled = [c for c in calls[read:] if not c.future.done()] + missing
+        if reroute:
+            return rerouted + unsettled
+        if retries > 0:
+            return await _pipeline(connection, unsettled, retries=retries - 1, reroute=False)
+        _fail_all(unsettled, exc)
+        return []
+    except CLIENT_ERRORS as exc:
+        await connection.disconnect()
+        _fail_all(calls[read:] + missing, exc)
+        return rerouted
+    if missing:
+        try:
+            for source in {c.script.source for c in missing}:
+                await connection.send_packed_command(
+                    connection.pack_command("SCRIPT", "LOAD", source), False
+                )
+                await connection.read_response()
+        except CLIENT_ERRORS as exc:
+            await connection.disconnect()
+            _fail_all(missing, exc)
+            return rerouted
+        rerouted += await _pipeline(connection, missing, retries=0, reroute=reroute)
+    return rerouted

@@ -1,0 +1,347 @@
+"""Auto-batching of ``AsyncLimiter`` calls, on real servers and the real cluster.
+
+Calls made concurrently on one event loop share pipelined round trips. These tests show that
+they do (by counting what is written to the sockets), that batching changes no decision (a
+concurrent run equals the same operations made one by one on ``memory://``), and that every
+call keeps its own result and error: error replies, NOSCRIPT, a broken connection, a timeout,
+a cancelled caller.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import random
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import redis
+import redis.asyncio.connection
+
+from ratekeeper import (
+    AsyncLimiter,
+    CircuitBreaker,
+    Decision,
+    Limiter,
+    ManualClock,
+    Policy,
+    RequestRejected,
+    StorageTimeout,
+)
+from ratekeeper._storage import _batch
+
+from .delay_proxy import DelayProxy
+from .servers import RedisServer
+
+T0 = 1_700_000_000.0
+PATIENT: dict[str, Any] = {"timeout": 5, "connect_timeout": 5, "failure_mode": "raise"}
+EVALSHA = b"$7\r\nEVALSHA\r\n"
+
+
+class Wire:
+    """Counts what asyncio connections write: sends, and the EVALSHAs in them, per port."""
+
+    def __init__(self) -> None:
+        self.sends: list[tuple[int, int]] = []  # (port, EVALSHA commands in the send)
+
+    def record(self, connection: Any, packed: Any) -> None:
+        data = packed if isinstance(packed, bytes) else b"".join(packed)
+        if EVALSHA in data:
+            self.sends.append((connection.port, data.count(EVALSHA)))
+
+    def clear(self) -> None:
+        self.sends.clear()
+
+    @property
+    def commands(self) -> int:
+        return sum(count for _, count in self.sends)
+
+
+@pytest.fixture
+def wire(monkeypatch: pytest.MonkeyPatch) -> Wire:
+    seen = Wire()
+    original = redis.asyncio.connection.AbstractConnection.send_packed_command
+
+    async def spy(self: Any, command: Any, check_health: bool = True) -> None:
+        seen.record(self, command)
+        await original(self, command, check_health)
+
+    monkeypatch.setattr(redis.asyncio.connection.AbstractConnection, "send_packed_command", spy)
+    return seen
+
+
+def _limiter(url: str, key_prefix: str, **options: Any) -> AsyncLimiter:
+    return AsyncLimiter.from_url(url, key_prefix=key_prefix, **{**PATIENT, **options})
+
+
+async def _gather(limiter: AsyncLimiter, calls: list[tuple[Policy, str, int]]) -> list[Any]:
+    return list(
+        await asyncio.gather(
+            *(limiter.hit(policy, who, cost) for policy, who, cost in calls),
+            return_exceptions=True,
+        )
+    )
+
+
+def test_concurrent_calls_share_one_round_trip(
+    server: RedisServer, key_prefix: str, wire: Wire
+) -> None:
+    policy = Policy("share", "1000/minute")
+
+    async def main() -> list[Decision]:
+        async with _limiter(server.url, key_prefix) as limiter:
+            await limiter.hit(policy, "warm-up")  # connects outside the count
+            wire.clear()
+            return await _gather(limiter, [(policy, f"user-{i}", 1) for i in range(200)])
+
+    decisions = asyncio.run(main())
+    assert all(isinstance(d, Decision) and d.allowed and d.remaining == 999 for d in decisions)
+    assert wire.commands == 200
+    assert len(wire.sends) == 1  # one write, one pipeline, for 200 concurrent decisions
+
+
+def test_batches_are_capped_and_spread_over_lanes(
+    server: RedisServer, key_prefix: str, wire: Wire
+) -> None:
+    policy = Policy("cap", "1000/minute")
+    n = _batch.MAX_BATCH * 3 + 5
+
+    async def main() -> list[Decision]:
+        async with _limiter(server.url, key_prefix) as limiter:
+            await limiter.hit(policy, "warm-up")
+            wire.clear()
+            return await _gather(limiter, [(policy, f"user-{i}", 1) for i in range(n)])
+
+    decisions = asyncio.run(main())
+    assert [d.remaining for d in decisions] == [999] * n
+    assert wire.commands == n
+    assert max(count for _, count in wire.sends) == _batch.MAX_BATCH
+    assert len(wire.sends) == 4
+
+
+Steps = list[list[tuple[Policy, str, int]]]
+
+
+def _one_by_one(steps: Steps, advance: float) -> list[list[Decision]]:
+    """The reference: each step's calls one by one on memory://, the clock moved between."""
+    clock = ManualClock(T0)
+    reference = Limiter.from_url("memory://", clock=clock, deny_cache=0)
+    expected = []
+    for step in steps:
+        expected.append([reference.hit(p, who, cost) for p, who, cost in step])
+        clock.advance(advance)
+    return expected
+
+
+def _in_bursts(
+    url: str, key_prefix: str, steps: Steps, advance: float, before: Callable[[], None]
+) -> list[list[Any]]:
+    """Each step's calls as one concurrent burst on ``url``; ``before`` runs after a warm-up
+    burst that connects (and discovers a cluster, loading the script on every primary)."""
+    clock = ManualClock(T0)
+
+    async def main() -> list[list[Any]]:
+        got = []
+        async with _limiter(url, key_prefix, clock=clock, deny_cache=0) as limiter:
+            await _gather(limiter, [(Policy("warm", "1/minute"), f"{i}", 1) for i in range(30)])
+            before()
+            for step in steps:
+                got.append(await _gather(limiter, step))
+                clock.advance(advance)
+        return got
+
+    return asyncio.run(main())
+
+
+@pytest.mark.parametrize(
+    "algorithm", ["sliding_log", "sliding_window", "fixed_window", "gcra", "token_bucket"]
+)
+def test_batching_changes_no_decision(server: RedisServer, key_prefix: str, algorithm: str) -> None:
+    """The same operations, sent as one concurrent burst per step, decide exactly as one by one
+    on memory:// (the reference): per identity the store sees the calls in the order made.
+    (Without the deny cache, which answers a denied caller's next calls locally when they come
+    one by one, but cannot within one burst.)"""
+    rng = random.Random(f"batching-{algorithm}")
+    policies = [
+        Policy("one", "7 per 10 seconds", algorithm),
+        Policy("two", "3 per second; 10 per minute", algorithm),
+    ]
+    steps = [
+        [
+            (rng.choice(policies), f"id-{rng.randrange(6)}", rng.choice([1, 1, 1, 2, 4]))
+            for _ in range(rng.randrange(1, 120))
+        ]
+        for _ in range(12)
+    ]
+    got = _in_bursts(server.url, key_prefix, steps, 0.35, lambda: None)
+    assert got == _one_by_one(steps, 0.35)
+
+
+def test_batching_changes_no_decision_on_the_cluster(
+    flavor_cluster: Any, key_prefix: str, wire: Wire
+) -> None:
+    rng = random.Random("batching-cluster")
+    policy = Policy("cluster", "5 per 10 seconds")
+    steps = [
+        [(policy, f"id-{rng.randrange(40)}", rng.choice([1, 2])) for _ in range(150)]
+        for _ in range(4)
+    ]
+    got = _in_bursts(flavor_cluster.url, key_prefix, steps, 1.5, wire.clear)
+    assert got == _one_by_one(steps, 1.5)
+    # Grouped by node: one pipeline per primary per step, never one write per call.
+    primaries = {node.port for node in flavor_cluster.primary_nodes()}
+    assert {port for port, _ in wire.sends} == primaries
+    assert len(wire.sends) == len(primaries) * len(steps)
+    assert wire.commands == sum(len(step) for step in steps)
+
+
+def test_an_error_reply_fails_only_its_own_call(server: RedisServer, key_prefix: str) -> None:
+    policy = Policy("wrongtype", "5/minute")
+    admin = server.client()
+
+    async def main() -> list[Any]:
+        async with _limiter(server.url, key_prefix) as limiter:
+            (key,) = limiter.keys(policy, "victim")
+            admin.set(key, "a plain string")
+            return await _gather(
+                limiter, [(policy, "a", 1), (policy, "victim", 1), (policy, "b", 1)]
+            )
+
+    try:
+        first, victim, last = asyncio.run(main())
+    finally:
+        admin.close()
+    assert isinstance(victim, RequestRejected)
+    assert "WRONGTYPE" in str(victim)
+    assert isinstance(victim.__cause__, redis.ResponseError)
+    assert (first.allowed, first.remaining, last.allowed, last.remaining) == (True, 4, True, 4)
+
+
+def test_noscript_inside_a_batch_loads_and_resends(
+    server: RedisServer, key_prefix: str, wire: Wire
+) -> None:
+    policy = Policy("noscript", "50/minute")
+    admin = server.client()
+
+    async def main() -> list[Any]:
+        async with _limiter(server.url, key_prefix) as limiter:
+            await limiter.hit(Policy("warm", "1/minute"), "up")
+            admin.script_flush()
+            wire.clear()
+            return await _gather(limiter, [(policy, "flood", 1)] * 120)
+
+    try:
+        decisions = asyncio.run(main())
+    finally:
+        admin.close()
+    assert all(isinstance(d, Decision) and not d.degraded for d in decisions)
+    assert sum(d.allowed for d in decisions) == 50
+    assert sorted(d.remaining for d in decisions if d.allowed) == list(range(50))
+    # The batch came back NOSCRIPT, the script was loaded and the batch sent once more.
+    assert [count for _, count in wire.sends] == [120, 120]
+
+
+def test_noscript_inside_a_batch_on_the_cluster(cluster: Any, key_prefix: str) -> None:
+    policy = Policy("noscript", "3/minute")
+    who = [f"id-{i}" for i in range(60)]
+
+    async def main() -> list[Any]:
+        async with _limiter(cluster.url, key_prefix) as limiter:
+            await limiter.hit(Policy("warm", "1/minute"), "up")
+            cluster.flush_scripts()
+            return await _gather(limiter, [(policy, w, 1) for w in who * 4])
+
+    decisions = asyncio.run(main())
+    assert all(isinstance(d, Decision) and not d.degraded for d in decisions)
+    assert [d.allowed for d in decisions] == [True] * 180 + [False] * 60
+
+
+def test_a_broken_connection_is_resent_once(server: RedisServer, key_prefix: str) -> None:
+    policy = Policy("broken", "10/minute")
+    admin = server.client()
+    name = f"rk-broken-{key_prefix}"
+
+    async def main() -> tuple[list[Any], list[Any]]:
+        async with _limiter(server.url, key_prefix, redis_options={"client_name": name}) as limiter:
+            before = await _gather(limiter, [(policy, "a", 1)] * 4)
+            # The server closes the idle connection (an idle timeout, a restart): the next
+            # batch finds out when it reads, and goes out again on a fresh connection.
+            killed = admin.client_kill_filter(_type="normal", skipme=True)
+            assert killed >= 1
+            return before, await _gather(limiter, [(policy, "a", 1)] * 4)
+
+    try:
+        before, after = asyncio.run(main())
+    finally:
+        admin.close()
+    assert [d.remaining for d in before] == [9, 8, 7, 6]
+    # At worst a broken exchange counts a hit twice; it never loses one or raises.
+    assert all(isinstance(d, Decision) and d.allowed for d in after)
+    assert [d.remaining for d in after] == sorted((d.remaining for d in after), reverse=True)
+    assert after[-1].remaining <= 2
+
+
+def test_a_timeout_fails_the_whole_batch_and_nothing_is_resent(
+    server: RedisServer, key_prefix: str
+) -> None:
+    policy = Policy("timeout", "100/minute")
+    breaker = CircuitBreaker(consecutive_failures=1000, min_calls=1000)
+
+    async def main(proxy: DelayProxy) -> tuple[list[Any], Decision]:
+        async with _limiter(
+            proxy.url, key_prefix, timeout=0.05, connect_timeout=5, breaker=breaker
+        ) as limiter:
+            await limiter.hit(Policy("warm", "1/minute"), "up")
+            proxy.delay = 0.3
+            late = await _gather(limiter, [(policy, "a", 1)] * 10)
+            proxy.delay = 0.0
+            return late, await limiter.hit(policy, "a")
+
+    with DelayProxy(server.port) as proxy:
+        late, after = asyncio.run(main(proxy))
+    assert all(isinstance(d, StorageTimeout) for d in late)
+    # Each of the 10 scripts ran exactly once on the server: a timed-out batch is not resent.
+    assert after.remaining == 100 - 10 - 1
+
+
+def test_a_cancelled_caller_consumes_nothing_and_others_are_unaffected(
+    server: RedisServer, key_prefix: str
+) -> None:
+    policy = Policy("cancel", "10/minute")
+
+    async def main() -> tuple[list[Any], Decision]:
+        async with _limiter(server.url, key_prefix) as limiter:
+            await limiter.hit(Policy("warm", "1/minute"), "up")
+            tasks = [asyncio.create_task(limiter.hit(policy, "a")) for _ in range(5)]
+            await asyncio.sleep(0)  # every task has queued its call; none has gone out yet
+            tasks[2].cancel()
+            results = await asyncio.gather(*tasks, return_exceptions=True)
+            return results, await limiter.peek(policy, "a")
+
+    results, after = asyncio.run(main())
+    assert isinstance(results[2], asyncio.CancelledError)
+    assert [r.remaining for i, r in enumerate(results) if i != 2] == [9, 8, 7, 6]
+    assert after.remaining == 6  # the cancelled call was never sent
+
+
+def test_batching_can_be_turned_off(server: RedisServer, key_prefix: str, wire: Wire) -> None:
+    policy = Policy("off", "1000/minute")
+
+    async def main() -> list[Any]:
+        async with _limiter(server.url, key_prefix, batching=False) as limiter:
+            await limiter.hit(policy, "warm-up")
+            wire.clear()
+            return await _gather(limiter, [(policy, f"user-{i}", 1) for i in range(20)])
+
+    assert all(d.allowed for d in asyncio.run(main()))
+    assert [count for _, count in wire.sends] == [1] * 20
+
+
+def test_batching_option_is_checked() -> None:
+    with pytest.raises(ValueError, match="batching must be True or False"):
+        AsyncLimiter.from_url("memory://", batching="yes")
+    with contextlib.closing(Limiter.from_url("memory://")):
+        pass
+    with pytest.raises(ValueError, match="unknown option"):
+        Limiter.from_url("redis://127.0.0.1:1", batching=True)  # blocking calls never batch
