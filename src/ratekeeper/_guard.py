@@ -181,9 +181,13 @@ class Guard:
 
     # -- the flow ------------------------------------------------------------------------
 
-    def cached(self, policy: Policy, key: str) -> Decision | None:
+    def caches(self, policy: Policy) -> bool:
+        """Whether denials under ``policy`` may be cached (then ask ``cached`` first)."""
+        return self._deny is not None and policy.algorithm in _CACHEABLE
+
+    def cached(self, key: str) -> Decision | None:
         """A cached denial of a cost-1 hit on ``key``, before any call is built; or None."""
-        if self._deny is None or policy.algorithm not in _CACHEABLE:
+        if self._deny is None:
             return None
         cached = self._deny.lookup(key, 1)
         if cached is not None:

@@ -142,8 +142,13 @@ class Limiter(_Base):
 
     def hit(self, policy: Policy, identity: Identity, cost: int = 1) -> Decision:
         """Consume ``cost`` if every rate of ``policy`` admits it; otherwise change nothing."""
-        if cost == 1 and type(cost) is int and type(policy) is Policy:
-            cached = self._guard.cached(policy, self._core.first_key(policy, identity))
+        if (
+            cost == 1
+            and type(cost) is int
+            and type(policy) is Policy
+            and self._guard.caches(policy)
+        ):
+            cached = self._guard.cached(self._core.first_key(policy, identity))
             if cached is not None:  # a flood on a denied key: no call is even built
                 return cached
         return self._run(self._core.hit(policy, identity, cost))
@@ -222,8 +227,13 @@ class AsyncLimiter(_Base):
 
     async def hit(self, policy: Policy, identity: Identity, cost: int = 1) -> Decision:
         """Consume ``cost`` if every rate of ``policy`` admits it; otherwise change nothing."""
-        if cost == 1 and type(cost) is int and type(policy) is Policy:
-            cached = self._guard.cached(policy, self._core.first_key(policy, identity))
+        if (
+            cost == 1
+            and type(cost) is int
+            and type(policy) is Policy
+            and self._guard.caches(policy)
+        ):
+            cached = self._guard.cached(self._core.first_key(policy, identity))
             if cached is not None:
                 return cached
         return await self._run(self._core.hit(policy, identity, cost))
