@@ -57,6 +57,10 @@ class _Tokens:
 
 _TOKENS = _Tokens()
 
+#: (policy, script, key suffixes, the ARGV that follows the per-call part)
+_Plan = tuple[Policy, Script, tuple[str, ...], tuple[int | str, ...]]
+_MAX_PLANS = 1024
+
 
 def _check_cost(cost: int) -> int:
     if isinstance(cost, bool) or not isinstance(cost, int):
@@ -74,13 +78,14 @@ def _check_policy(policy: Policy) -> None:
 class Core:
     """Builds calls and reads replies. Holds no I/O and no mutable state but a token counter."""
 
-    __slots__ = ("clock", "keys")
+    __slots__ = ("_plans", "clock", "keys")
 
     def __init__(self, *, key_prefix: str = DEFAULT_KEY_PREFIX, clock: Clock | None = None) -> None:
         if clock is not None and not callable(clock):
             raise ConfigError(f"clock must be callable and return epoch seconds, got {clock!r}")
         self.keys = KeyBuilder(key_prefix)
         self.clock = clock
+        self._plans: dict[int, _Plan] = {}
 
     def _now(self) -> int:
         if self.clock is None:
@@ -95,18 +100,33 @@ class Core:
         if not isinstance(policy, Policy):
             raise ConfigError(f"policy must be a Policy, got {type(policy).__name__}")
         _check_cost(cost)
+        plan = self._plans.get(id(policy))
+        if plan is None or plan[0] is not policy:
+            plan = self._plan(policy)
+        _, script, suffixes, tail = plan
+        keys = self.keys.keys(policy.name, identity, suffixes)
+        args = (self._now(), cost, mode, token, TTL_MARGIN_MS, *tail)
+        return Call(script, keys, args, policy, token, cost, mode)
+
+    def _plan(self, policy: Policy) -> _Plan:
+        """What every call under ``policy`` shares: its script, key suffixes and the ARGV after
+        the per-call part. Kept by the policy's id, with the policy itself to tell a recycled
+        id apart (and so keep it alive); bounded."""
         algorithm = get_algorithm(policy.algorithm)
-        keys = self.keys.keys(policy.name, identity, algorithm.suffixes)
         args = encode_args(
-            self._now(),
-            cost=cost,
-            mode=mode,
-            token=token,
+            0,
+            cost=1,
+            mode=HIT,
+            token="",
             margin_ms=TTL_MARGIN_MS,
             rates=[(rate.limit, rate.period_us) for rate in policy.rates],
             extra=algorithm.extra_args(policy),
         )
-        return Call(load_script(algorithm.script), keys, args, policy, token, cost, mode)
+        plan = (policy, load_script(algorithm.script), algorithm.suffixes, args[5:])
+        if len(self._plans) >= _MAX_PLANS:
+            self._plans.clear()
+        self._plans[id(policy)] = plan
+        return plan
 
     def rebind(self, call: Call, policy: Policy) -> Call:
         """``call`` for another policy of the same name and algorithm (the local fallback's
