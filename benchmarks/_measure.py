@@ -18,6 +18,21 @@ import ratekeeper
 
 __all__ = ["cpu_model", "machine_cpu", "machine_info", "max_load", "percentile", "server_cpu"]
 
+#: Commands a client sends to make a decision; everything else in commandstats ran inside them.
+TOP_LEVEL = frozenset({"evalsha", "evalsha_ro", "eval", "eval_ro", "fcall", "fcall_ro"})
+#: Commands the harnesses (and redis-py's pipelines) send around the measured calls.
+HARNESS = frozenset(
+    {
+        "config|resetstat",
+        "info",
+        "flushall",
+        "ping",
+        "script|load",
+        "script|exists",
+        "memory|usage",
+        "client|setinfo",
+    }
+)
 _TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 _REPO = Path(__file__).resolve().parent.parent
 

@@ -44,7 +44,7 @@ import limits.storage
 import limits.strategies
 import redis
 import redis.utils
-from _measure import machine_info, server_cpu
+from _measure import HARNESS, TOP_LEVEL, machine_info, server_cpu
 from _server import Server, find_binaries
 from rich.console import Console
 from rich.table import Table
@@ -61,20 +61,6 @@ RESULTS = HERE / "results" / "algorithms.json"
 WINDOWED = ("sliding_log", "sliding_window", "fixed_window", "gcra")
 LIMITS = (10, 10_000, 1_000_000)
 HOUR = 3600.0
-#: Commands a client sends to make a decision; everything else in commandstats ran inside them.
-TOP_LEVEL = frozenset({"evalsha", "evalsha_ro", "eval", "eval_ro", "fcall", "fcall_ro"})
-#: Commands this harness sends around the measured runs.
-HARNESS = frozenset(
-    {
-        "config|resetstat",
-        "info",
-        "flushall",
-        "ping",
-        "script|load",
-        "memory|usage",
-        "client|setinfo",
-    }
-)
 PIPELINE_BATCH = 500
 ALL_SCRIPTS = sorted({algorithm.script for algorithm in ALGORITHMS.values()})
 LIMITS_STRATEGIES: dict[str, Callable[[Any], Any]] = {

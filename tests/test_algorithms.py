@@ -48,6 +48,11 @@ class ExactClock(ManualClock):
         self.us += us
         self._sync()
 
+    def rewind(self, seconds: float) -> None:
+        """Move back: the clock of a client behind the previous caller's."""
+        self.us -= round(seconds * 1_000_000)
+        self._sync()
+
     def _sync(self) -> None:
         seconds = self.us / 1_000_000
         while int(seconds * 1_000_000) < self.us:
@@ -336,6 +341,26 @@ def test_fixed_window_multi_rate_by_hand(limiter: Any, clock: ExactClock) -> Non
     clock.advance(1)  # t=4: [4,6) is new; [3,6) holds 1 (2 had the denial counted)
     assert limiter.peek(policy, "a") == decision(
         policy, three, allowed=True, remaining=3, reset_after=2.0
+    )
+
+
+# == sliding_log =============================================================================
+
+
+def test_sliding_log_waits_for_an_entry_from_a_clock_ahead(limiter: Any, clock: ExactClock) -> None:
+    """Two clients whose clocks are 4 s apart share a log. The entry stamped by the clock ahead
+    counts for the client behind, and its window is empty only once that entry has left it."""
+    policy = Policy("skew", "3 per 10 seconds")
+    clock.advance(4)
+    assert limiter.hit(policy, "a").allowed  # stamped t + 4 s
+    clock.rewind(4)
+    # Stamped t; the log holds t and t + 4 s, so it empties at t + 14 s.
+    expected = decision(policy, "3 per 10 seconds", allowed=True, remaining=1, reset_after=14.0)
+    assert limiter.hit(policy, "a") == expected
+    assert limiter.peek(policy, "a") == expected
+    # A cost of 2 waits for the older entry (t) to leave: 10 s.
+    assert limiter.hit(policy, "a", cost=2) == decision(
+        policy, "3 per 10 seconds", allowed=False, remaining=1, reset_after=14.0, retry_after=10.0
     )
 
 

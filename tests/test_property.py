@@ -13,7 +13,9 @@ bug shared by the two mirrored implementations cannot hide:
 * concurrency: the leases held, each with its expiry.
 
 On top of that, invariants that follow from each algorithm's definition are checked on the
-history of what was admitted (e.g. a fixed window never admits more than its limit).
+history of what was admitted (e.g. a fixed window never admits more than its limit). With a
+clock that also moves back (clients whose clocks disagree), each script is compared with its
+reference alone, reply by reply.
 
 The limiters under test decide with the store alone: no deny cache (its own property is below),
 failure mode ``raise`` (a store error must fail the test, not turn into a degraded decision),
@@ -42,7 +44,19 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from ratekeeper import AsyncLimiter, CircuitBreaker, Decision, Limiter, ManualClock, Policy, Rate
+from ratekeeper._algorithms import (
+    HIT,
+    PEEK,
+    RELEASE,
+    Reply,
+    decode_args,
+    encode_args,
+    get_algorithm,
+)
+from ratekeeper._algorithms.concurrency import _Leases
 from ratekeeper._keys import Identity, identity_bytes
+from ratekeeper._keyspace import Keyspace
+from ratekeeper._scripts import load_script
 
 from .servers import RedisServer
 from .strategies import (
@@ -870,6 +884,131 @@ def test_validation_bounds_are_exact(server: RedisServer, case: str, data: st.Da
     script's arithmetic in Lua doubles must still be exact, as the reference's is."""
     scenario = data.draw(boundary_scenarios(case), label="scenario")
     play(scenario, algorithm_of(case), server.url)
+
+
+# == a clock that goes back ==================================================================
+
+#: A TTL margin so long that no key expires during an example on either side. The memory
+#: keyspace expires keys on the scenario's clock and a server on its own, and with a clock that
+#: moves back and forth the two would disagree about expiry, which is not what is tested here.
+LONG_MARGIN_MS = 10**9
+
+
+def moved(now: int, op: AlgorithmOp, back: bool, last_retry: int) -> int | None:
+    """The clock after ``op`` when ``op`` moves it, backwards if ``back``; else None."""
+    sign = -1 if back else 1
+    if isinstance(op, Advance):
+        return now + sign * op.us
+    if isinstance(op, Boundary):
+        return (now // op.period_us + sign) * op.period_us + op.nudge_us
+    if isinstance(op, WaitRetry):
+        return now + sign * max(last_retry + op.nudge_us, 0)
+    return None
+
+
+class Direct:
+    """One policy's script on a server and its reference on a keyspace, called with the ARGV
+    the core builds (and a margin that outlives any example)."""
+
+    def __init__(self, server: RedisServer, policy: Policy) -> None:
+        self.algorithm = get_algorithm(policy.algorithm)
+        self.script = load_script(self.algorithm.script)
+        self.rates = [(rate.limit, rate.period_us) for rate in policy.rates]
+        self.extra = self.algorithm.extra_args(policy)
+        self.keyspace = Keyspace()
+        self.client = server.client()
+        self.client.script_load(self.script.source)
+
+    def agree(self, key: str, now: int, cost: int, mode: int, token: str, where: str) -> Reply:
+        """Make one call on both sides: they must reply alike and then hold the same state.
+        Returns the reply."""
+        args = encode_args(
+            now,
+            cost=cost,
+            mode=mode,
+            token=token,
+            margin_ms=LONG_MARGIN_MS,
+            rates=self.rates,
+            extra=self.extra,
+        )
+        got = [int(value) for value in self.client.evalsha(self.script.sha, 1, key, *args)]
+        want = self.algorithm.reference(self.keyspace, (key,), decode_args(args, now))
+        assert got == want, where
+        on_server, in_reference = self.states(key, now)
+        assert on_server == in_reference, where
+        return got
+
+    def states(self, key: str, now: int) -> tuple[Any, Any]:
+        """What the server and the reference hold under ``key``, in one form: a hash as a dict
+        of integers, leases as (expiry, member) pairs in order, a log as its times in order
+        (the reference's log keeps no members); None for no key."""
+        value = self.keyspace.get(key, now)
+        if isinstance(value, _Leases):
+            value = sorted((score, member) for member, score in value.scores.items())
+        kind = self.client.type(key)
+        on_server: Any = None
+        if kind == b"hash":
+            on_server = {k.decode(): int(v) for k, v in self.client.hgetall(key).items()}
+        elif kind == b"zset":
+            pairs = self.client.zrange(key, 0, -1, withscores=True)
+            on_server = [(int(score), member.decode()) for member, score in pairs]
+            if not (isinstance(value, list) and value and isinstance(value[0], tuple)):
+                on_server = [score for score, _ in on_server]  # a log: its times
+        return on_server, value
+
+    def delete(self, key: str) -> None:
+        self.keyspace.delete([key])
+        self.client.delete(key)
+
+
+@SHRINK_TIMEOUT
+@pytest.mark.parametrize("case", ["sliding_log", *ALGORITHM_CASES])
+@settings(ALGORITHM_SETTINGS, max_examples=60)
+@given(data=st.data())
+def test_scripts_equal_the_references_when_the_clock_goes_back(
+    server: RedisServer, case: str, data: st.DataObject
+) -> None:
+    """Clients whose clocks disagree send times out of order, and a script must still return
+    what its reference returns. A scenario's clock moves are replayed with some of them turned
+    backwards, and each call goes to the script and to the reference directly: the raw replies
+    must be equal at every step, and so must the state stored (a difference there, such as an
+    entry pruned on one side only, may show in a reply only much later). The models assume a
+    clock that only moves forward, so they are not consulted."""
+    scenario = data.draw(algorithm_scenarios(case, max_policies=1), label="scenario")
+    backwards = data.draw(
+        st.lists(st.booleans(), min_size=len(scenario.ops), max_size=len(scenario.ops)),
+        label="backwards",
+    )
+    direct = Direct(server, scenario.policies[0])
+    prefix = fresh_prefix()
+    now = int(START * 1_000_000)
+    tokens = itertools.count()
+    leases: list[tuple[str, str, int]] = []  # (key, token, cost) of each lease granted
+    last_retry = 0
+    try:
+        for step, (op, back) in enumerate(zip(scenario.ops, backwards, strict=True)):
+            where = f"step {step}: {op}{' backwards' if back else ''} at {now}"
+            after = moved(now, op, back, last_retry)
+            if after is not None:
+                now = after
+            elif isinstance(op, Reset):
+                direct.delete(f"{prefix}:{op.identity}")
+            elif isinstance(op, Release):
+                if leases:
+                    key, token, cost = leases[op.lease % len(leases)]
+                    direct.agree(key, now, cost, RELEASE, token, where)
+            else:
+                assert isinstance(op, (Hit, Peek, Acquire))
+                key, token = f"{prefix}:{op.identity}", f"t{next(tokens):x}"
+                mode = PEEK if isinstance(op, Peek) else HIT
+                reply = direct.agree(key, now, op.cost, mode, token, where)
+                if isinstance(op, Acquire) and reply[0] == 1:
+                    leases.append((key, token, op.cost))
+                waits = [retry for retry in reply[3::3] if retry >= 0]
+                if not reply[0] and waits:
+                    last_retry = max(waits)
+    finally:
+        direct.client.close()
 
 
 # == the deny cache ==========================================================================

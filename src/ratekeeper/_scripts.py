@@ -1,7 +1,8 @@
 """Lua scripts shipped as package data (``ratekeeper/lua/*.lua``), identified by SHA1.
 
 Each script runs with ``lua/_prelude.lua`` in front of it: the parsing of the ARGV layout every
-script shares, the clock, and integer division (Lua scripts cannot import one another).
+script shares and the clock (Lua scripts cannot import one another). The prelude's header says
+what makes a script cheap to run; ``benchmarks/script_cost.py`` measures it.
 """
 
 from __future__ import annotations

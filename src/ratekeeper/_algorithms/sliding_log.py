@@ -1,8 +1,10 @@
 """Sliding-window log: the exact algorithm, one sorted-set entry per admitted unit of cost.
 
-The reference below mirrors ``lua/sliding_log.lua`` statement for statement. A rate (limit L,
-window W) admits a hit of cost c at time t when the entries with time in (t - W, t] (and any
-later ones) number at most L - c. An admitted hit adds c entries at time t.
+The reference below returns what ``lua/sliding_log.lua`` returns and keeps the same log. (The
+script reads the newest two entries first and skips the count and the pruning when those are
+the whole log; the outcome is the same.) A rate (limit L, window W) admits a hit of cost c at
+time t when the entries with time in (t - W, t] (and any later ones) number at most L - c. An
+admitted hit adds c entries at time t.
 """
 
 from __future__ import annotations

@@ -12,59 +12,63 @@
 --
 -- Returns {allowed, remaining_1, reset_1, retry_1, ...}; times in microseconds; retry -1 = fits,
 -- -2 = never (cost above the limit). A denial writes nothing.
--- now, cost, mode, peek, n, key and idiv come from _prelude.lua.
+-- now, cost, peek, n and key come from _prelude.lua.
 
-local fields = {}
-for i = 1, n do
-  fields[#fields + 1] = 'w' .. i
-  fields[#fields + 1] = 'c' .. i
+local stored
+if n == 1 then
+  stored = redis.call('HMGET', key, 'w1', 'c1')
+else
+  local fields = {}
+  for i = 1, n do fields[2 * i - 1], fields[2 * i] = 'w' .. i, 'c' .. i end
+  stored = redis.call('HMGET', key, unpack(fields))
 end
-local stored = redis.call('HMGET', key, unpack(fields))
 
+-- Per rate i, rates[4i - 3 .. 4i] = limit, window, start of the current window, count in it.
+local rates = {0, 0, 0, 0}
 local allowed = true
-local counts, starts = {}, {}
 for i = 1, n do
-  local limit = tonumber(ARGV[5 + 2 * i])
-  local window = tonumber(ARGV[6 + 2 * i])
-  local start = now - (now % window)
+  local limit, window = ARGV[5 + 2 * i] + 0, ARGV[6 + 2 * i] + 0
+  local start = now - now % window
   local count = 0
-  if tonumber(stored[2 * i - 1]) == start then count = tonumber(stored[2 * i]) end
-  starts[i] = start
-  counts[i] = count
+  if stored[2 * i - 1] and stored[2 * i - 1] + 0 == start then count = stored[2 * i] + 0 end
+  rates[4 * i - 3], rates[4 * i - 2], rates[4 * i - 1], rates[4 * i] = limit, window, start, count
   if count + cost > limit then allowed = false end
 end
 local consume = allowed and not peek
 
-local reply = {allowed and 1 or 0}
-local expire_at = 0
-local writes = {}
+local reply = {allowed and 1 or 0, 0, 0, 0}
+local ttl = 0
 for i = 1, n do
-  local limit = tonumber(ARGV[5 + 2 * i])
-  local window = tonumber(ARGV[6 + 2 * i])
-  local used = counts[i]
-  if consume then used = used + cost end
-  local remaining = limit - used
+  local limit, start, count = rates[4 * i - 3], rates[4 * i - 1], rates[4 * i]
+  local left = start + rates[4 * i - 2] - now
+  local used = count
+  if consume then used = count + cost end
+  local remaining, reset, retry = limit - used, 0, -1
   if remaining < 0 then remaining = 0 end
-  local ends = starts[i] + window
-  local reset = 0
-  if used > 0 then reset = ends - now end
-  local retry = -1
-  if counts[i] + cost > limit then
-    if cost > limit then retry = -2 else retry = ends - now end
+  if used > 0 then reset = left end
+  if count + cost > limit then
+    if cost > limit then retry = -2 else retry = left end
   end
-  reply[#reply + 1] = remaining
-  reply[#reply + 1] = reset
-  reply[#reply + 1] = retry
-  if ends > expire_at then expire_at = ends end
-  writes[#writes + 1] = 'w' .. i
-  writes[#writes + 1] = string.format('%d', starts[i])
-  writes[#writes + 1] = 'c' .. i
-  writes[#writes + 1] = string.format('%d', used)
+  reply[3 * i - 1], reply[3 * i], reply[3 * i + 1] = remaining, reset, retry
+  if left > ttl then ttl = left end
+  rates[4 * i] = used
 end
 
 if consume then
-  redis.call('HSET', key, unpack(writes))
-  local ttl = math.ceil((expire_at - now) / 1000) + tonumber(ARGV[5])
-  redis.call('PEXPIRE', key, string.format('%d', ttl))
+  if n == 1 and rates[4] > cost then
+    -- Counted in this window before: the stored start stays, only the count changes.
+    redis.call('HSET', key, 'c1', string.format('%d', rates[4]))
+  elseif n == 1 then
+    local start, used = string.format('%d', rates[3]), string.format('%d', rates[4])
+    redis.call('HSET', key, 'w1', start, 'c1', used)
+  else
+    local writes = {}
+    for i = 1, n do
+      writes[4 * i - 3], writes[4 * i - 2] = 'w' .. i, string.format('%d', rates[4 * i - 1])
+      writes[4 * i - 1], writes[4 * i] = 'c' .. i, string.format('%d', rates[4 * i])
+    end
+    redis.call('HSET', key, unpack(writes))
+  end
+  redis.call('PEXPIRE', key, string.format('%d', math.ceil(ttl / 1000) + ARGV[5]))
 end
 return reply

@@ -15,64 +15,83 @@
 --
 -- Returns {allowed, remaining_1, reset_1, retry_1, ...}; times in microseconds; retry -1 = fits,
 -- -2 = never (cost above the burst). A denial writes nothing.
--- now, cost, mode, peek, n, key and idiv come from _prelude.lua.
+-- now, cost, peek, n and key come from _prelude.lua.
+
+-- floor(a / b) for integers, exact where a / b in doubles might round across an integer.
+local function idiv(a, b)
+  local q = math.floor(a / b)
+  if q * b > a then q = q - 1 elseif (q + 1) * b <= a then q = q + 1 end
+  return q
+end
 
 local tms = idiv(now, 1000)
-local fields = {}
-for i = 1, n do
-  fields[#fields + 1] = 'q' .. i
-  fields[#fields + 1] = 'r' .. i
+local stored
+if n == 1 then
+  stored = redis.call('HMGET', key, 'q1', 'r1')
+else
+  local fields = {}
+  for i = 1, n do fields[2 * i - 1], fields[2 * i] = 'q' .. i, 'r' .. i end
+  stored = redis.call('HMGET', key, unpack(fields))
 end
-local stored = redis.call('HMGET', key, unpack(fields))
 
+-- Per rate i, rates[4i - 3 .. 4i] = limit, W in ms, burst, and d = (TAT - t) * limit (0 when
+-- the TAT has passed).
+local rates = {0, 0, 0, 0}
 local allowed = true
-local ds = {}
 for i = 1, n do
-  local limit = tonumber(ARGV[5 + 2 * i])
-  local wms = tonumber(ARGV[6 + 2 * i]) / 1000
-  local burst = tonumber(ARGV[6 + 2 * n + i])
-  local q, r = tonumber(stored[2 * i - 1]), tonumber(stored[2 * i])
+  local limit, wms = ARGV[5 + 2 * i] + 0, ARGV[6 + 2 * i] / 1000
+  local burst = ARGV[6 + 2 * n + i] + 0
+  local q = stored[2 * i - 1]
   local d = 0
-  if q and q >= tms then d = (q - tms) * limit + r end
-  ds[i] = d
+  if q then
+    q = q + 0
+    if q >= tms then d = (q - tms) * limit + stored[2 * i] end
+  end
+  rates[4 * i - 3], rates[4 * i - 2], rates[4 * i - 1], rates[4 * i] = limit, wms, burst, d
   if d + cost * wms > burst * wms then allowed = false end
 end
 local consume = allowed and not peek
 
-local reply = {allowed and 1 or 0}
+local reply = {allowed and 1 or 0, 0, 0, 0}
 local ttl = 0
-local writes = {}
 for i = 1, n do
-  local limit = tonumber(ARGV[5 + 2 * i])
-  local wms = tonumber(ARGV[6 + 2 * i]) / 1000
-  local burst = tonumber(ARGV[6 + 2 * n + i])
-  local d = ds[i]
+  local limit, wms, burst, d = rates[4 * i - 3], rates[4 * i - 2], rates[4 * i - 1], rates[4 * i]
   local after = d
   if consume then after = d + cost * wms end
   local remaining = idiv(burst * wms - after, wms)
   if remaining < 0 then remaining = 0 end
   -- Microseconds until TAT: (after / limit) ms from tms, rounded up.
   local whole = idiv(after, limit)
-  local reset = tms * 1000 - now + whole * 1000 + idiv((after - whole * limit) * 1000 + limit - 1, limit)
-  if after == 0 or reset < 0 then reset = 0 end
+  local reset = 0
+  if after > 0 then
+    local rest = after - whole * limit
+    reset = tms * 1000 - now + whole * 1000 + idiv(rest * 1000 + limit - 1, limit)
+    if reset < 0 then reset = 0 end
+  end
   local retry = -1
   if cost > burst then
     retry = -2
   elseif d + cost * wms > burst * wms then
     retry = (tms + idiv(d + cost * wms - burst * wms + limit - 1, limit)) * 1000 - now
   end
-  reply[#reply + 1] = remaining
-  reply[#reply + 1] = reset
-  reply[#reply + 1] = retry
+  reply[3 * i - 1], reply[3 * i], reply[3 * i + 1] = remaining, reset, retry
   if reset > ttl then ttl = reset end
-  writes[#writes + 1] = 'q' .. i
-  writes[#writes + 1] = string.format('%d', tms + whole)
-  writes[#writes + 1] = 'r' .. i
-  writes[#writes + 1] = string.format('%d', after - whole * limit)
+  -- The new TAT: q = tms + whole ms and r = after - whole * limit.
+  rates[4 * i - 1], rates[4 * i] = tms + whole, after - whole * limit
 end
 
 if consume then
-  redis.call('HSET', key, unpack(writes))
-  redis.call('PEXPIRE', key, string.format('%d', math.ceil(ttl / 1000) + tonumber(ARGV[5])))
+  if n == 1 then
+    local q, r = string.format('%d', rates[3]), string.format('%d', rates[4])
+    redis.call('HSET', key, 'q1', q, 'r1', r)
+  else
+    local writes = {}
+    for i = 1, n do
+      writes[4 * i - 3], writes[4 * i - 2] = 'q' .. i, string.format('%d', rates[4 * i - 1])
+      writes[4 * i - 1], writes[4 * i] = 'r' .. i, string.format('%d', rates[4 * i])
+    end
+    redis.call('HSET', key, unpack(writes))
+  end
+  redis.call('PEXPIRE', key, string.format('%d', math.ceil(ttl / 1000) + ARGV[5]))
 end
 return reply

@@ -15,32 +15,46 @@
 --   retry_i      microseconds until a call of this cost fits rate i; -1 = it fits, -2 = never
 --
 -- A denial writes nothing. All reads happen before the first write, so an out-of-memory
--- error on the first write leaves no partial state. Numbers sent back to Redis go through
--- string.format('%d'): tostring would print large times in scientific notation.
--- now, cost, mode, peek, n, key and idiv come from _prelude.lua.
+-- error on the first write leaves no partial state.
+--
+-- Cost: every call reads the newest READ entries. When that is the whole log (a light user)
+-- it answers everything: no count of the window, and no pruning unless an entry has aged out.
+-- Otherwise each rate is counted (ZCOUNT) and each admission prunes. The entry a denial waits
+-- for is the (limit - cost)-th newest, 0-based: the oldest of those that must leave first.
+-- now, cost, peek, n and key come from _prelude.lua.
 
-local newest = nil
-local top = redis.call('ZRANGE', key, -1, -1, 'WITHSCORES')
-if top[2] then newest = tonumber(top[2]) end
+local READ, FROM = 2, '-2'  -- the newest READ entries: ranks FROM to -1
+local got = redis.call('ZRANGE', key, FROM, '-1', 'WITHSCORES')
+local m = #got / 2
+local whole = m < READ
+for j = 2, 2 * m, 2 do got[j] = got[j] + 0 end
 
+-- Per rate i, rates[3i - 2 .. 3i] = limit, window, and the count of entries in the window.
+local rates = {0, 0, 0}
 local allowed = true
-local counts = {}
 local maxwindow = 0
 for i = 1, n do
-  local limit = tonumber(ARGV[5 + 2 * i])
-  local window = tonumber(ARGV[6 + 2 * i])
+  local limit, window = ARGV[5 + 2 * i] + 0, ARGV[6 + 2 * i] + 0
   if window > maxwindow then maxwindow = window end
-  local count = redis.call('ZCOUNT', key, string.format('(%d', now - window), '+inf')
-  counts[i] = count
+  -- The window holds the entries with time > now - window (times are whole microseconds).
+  local edge = now - window
+  local j = m
+  while j > 0 and got[2 * j] > edge do j = j - 1 end
+  local count = m - j
+  if j == 0 and not whole then
+    count = redis.call('ZCOUNT', key, string.format('%d', edge + 1), '+inf')
+  end
+  rates[3 * i - 2], rates[3 * i - 1], rates[3 * i] = limit, window, count
   if count + cost > limit then allowed = false end
 end
 local consume = allowed and not peek
 
-local reply = {allowed and 1 or 0}
+-- The newest entry, or now when this call adds a newer one.
+local last = got[2 * m]
+if consume and (last == nil or now > last) then last = now end
+local reply = {allowed and 1 or 0, 0, 0, 0}
 for i = 1, n do
-  local limit = tonumber(ARGV[5 + 2 * i])
-  local window = tonumber(ARGV[6 + 2 * i])
-  local count = counts[i]
+  local limit, window, count = rates[3 * i - 2], rates[3 * i - 1], rates[3 * i]
   local used = count
   if consume then used = count + cost end
   local remaining = limit - used
@@ -50,39 +64,48 @@ for i = 1, n do
     if cost > limit then
       retry = -2
     else
-      -- The oldest (count + cost - limit) entries in the window must leave first.
-      local entry = redis.call('ZRANGEBYSCORE', key, string.format('(%d', now - window), '+inf',
-        'WITHSCORES', 'LIMIT', count + cost - limit - 1, 1)
-      retry = tonumber(entry[2]) + window - now
+      -- The (limit - cost)-th newest entry (0-based) must leave the window first.
+      local r = limit - cost
+      local at
+      if r < m then
+        at = got[2 * (m - r)]
+      else
+        local rank = string.format('%d', -r - 1)
+        at = redis.call('ZRANGE', key, rank, rank, 'WITHSCORES')[2] + 0
+      end
+      retry = at + window - now
     end
   end
-  local last = newest
-  if consume and (last == nil or now > last) then last = now end
   local reset = 0
   if last ~= nil and used > 0 then
     reset = last + window - now
     if reset < 0 then reset = 0 end
   end
-  reply[#reply + 1] = remaining
-  reply[#reply + 1] = reset
-  reply[#reply + 1] = retry
+  reply[3 * i - 1], reply[3 * i], reply[3 * i + 1] = remaining, reset, retry
 end
 
 if consume then
-  local score = string.format('%d', now)
-  local token = ARGV[4]
-  local i = 1
-  while i <= cost do
-    local batch = {}
-    local last = math.min(i + 199, cost)
-    for j = i, last do
-      batch[#batch + 1] = score
-      batch[#batch + 1] = token .. '.' .. j
+  local score, token = string.format('%d', now), ARGV[4]
+  if cost == 1 then
+    redis.call('ZADD', key, score, token .. '.1')
+  else
+    local i = 1
+    while i <= cost do
+      local batch = {}
+      local upto = math.min(i + 199, cost)
+      for j = i, upto do
+        batch[2 * (j - i) + 1] = score
+        batch[2 * (j - i) + 2] = token .. '.' .. j
+      end
+      redis.call('ZADD', key, unpack(batch))
+      i = upto + 1
     end
-    redis.call('ZADD', key, unpack(batch))
-    i = last + 1
   end
-  redis.call('ZREMRANGEBYSCORE', key, '-inf', string.format('%d', now - maxwindow))
-  redis.call('PEXPIRE', key, string.format('%d', math.ceil(maxwindow / 1000) + tonumber(ARGV[5])))
+  -- Entries at or before now - maxwindow have left every window: drop them, unless the whole
+  -- log was read and its oldest entry is newer.
+  if not whole or (m > 0 and got[2] <= now - maxwindow) then
+    redis.call('ZREMRANGEBYSCORE', key, '-inf', string.format('%d', now - maxwindow))
+  end
+  redis.call('PEXPIRE', key, string.format('%d', math.ceil(maxwindow / 1000) + ARGV[5]))
 end
 return reply

@@ -15,48 +15,63 @@
 --
 -- Returns {allowed, remaining_1, reset_1, retry_1, ...}; times in microseconds; retry -1 = fits,
 -- -2 = never. A denial writes nothing.
--- now, cost, mode, peek, n, key and idiv come from _prelude.lua.
+-- now, cost, peek, n and key come from _prelude.lua.
 
-local fields = {}
-for i = 1, n do
-  fields[#fields + 1] = 'w' .. i
-  fields[#fields + 1] = 'c' .. i
-  fields[#fields + 1] = 'p' .. i
+-- floor(a / b) for integers, exact where a / b in doubles might round across an integer.
+local function idiv(a, b)
+  local q = math.floor(a / b)
+  if q * b > a then q = q - 1 elseif (q + 1) * b <= a then q = q + 1 end
+  return q
 end
-local stored = redis.call('HMGET', key, unpack(fields))
 
+local stored
+if n == 1 then
+  stored = redis.call('HMGET', key, 'w1', 'c1', 'p1')
+else
+  local fields = {}
+  for i = 1, n do
+    fields[3 * i - 2], fields[3 * i - 1], fields[3 * i] = 'w' .. i, 'c' .. i, 'p' .. i
+  end
+  stored = redis.call('HMGET', key, unpack(fields))
+end
+
+-- Per rate i, rates[6i - 5 .. 6i] = limit, window, start of the current window, curr, prev, and
+-- e, the whole milliseconds elapsed in the window.
+local rates = {0, 0, 0, 0, 0, 0}
 local allowed = true
-local starts, currs, prevs = {}, {}, {}
+local same = true  -- whether every rate is still in the stored window
 for i = 1, n do
-  local limit = tonumber(ARGV[5 + 2 * i])
-  local window = tonumber(ARGV[6 + 2 * i])
+  local limit, window = ARGV[5 + 2 * i] + 0, ARGV[6 + 2 * i] + 0
   local start = now - (now % window)
-  local w = tonumber(stored[3 * i - 2])
+  local w = stored[3 * i - 2]
+  if w then w = w + 0 end
   local curr, prev = 0, 0
   if w == start then
-    curr, prev = tonumber(stored[3 * i - 1]), tonumber(stored[3 * i])
-  elseif w == start - window then
-    prev = tonumber(stored[3 * i - 1])
+    curr, prev = stored[3 * i - 1] + 0, stored[3 * i] + 0
+  else
+    same = false
+    if w == start - window then prev = stored[3 * i - 1] + 0 end
   end
-  starts[i], currs[i], prevs[i] = start, curr, prev
-  local wms = window / 1000
-  local e = idiv(now - start, 1000)
+  local wms, e = window / 1000, idiv(now - start, 1000)
+  local k = 6 * i
+  rates[k - 5], rates[k - 4], rates[k - 3], rates[k - 2], rates[k - 1], rates[k] =
+    limit, window, start, curr, prev, e
   if prev * (wms - e) > (limit - curr - cost) * wms then allowed = false end
 end
 local consume = allowed and not peek
 
-local reply = {allowed and 1 or 0}
+local reply = {allowed and 1 or 0, 0, 0, 0}
 local expire_at = 0
-local writes = {}
 for i = 1, n do
-  local limit = tonumber(ARGV[5 + 2 * i])
-  local window = tonumber(ARGV[6 + 2 * i])
+  local k = 6 * i
+  local limit, window, start, curr0, prev, e =
+    rates[k - 5], rates[k - 4], rates[k - 3], rates[k - 2], rates[k - 1], rates[k]
   local wms = window / 1000
-  local start, curr, prev = starts[i], currs[i], prevs[i]
-  local e = idiv(now - start, 1000)
-  if consume then curr = curr + cost end
+  local curr = curr0
+  if consume then curr = curr0 + cost end
   -- remaining = floor(limit - curr - prev * (W - e) / W)
-  local remaining = limit - curr - idiv(prev * (wms - e) + wms - 1, wms)
+  local remaining = limit - curr
+  if prev > 0 then remaining = remaining - idiv(prev * (wms - e) + wms - 1, wms) end
   if remaining < 0 then remaining = 0 end
   local reset = 0
   if curr > 0 then
@@ -67,32 +82,45 @@ for i = 1, n do
   local retry = -1
   if cost > limit then
     retry = -2
-  elseif prev * (wms - e) > (limit - currs[i] - cost) * wms then
-    if currs[i] + cost <= limit then
+  elseif prev * (wms - e) > (limit - curr0 - cost) * wms then
+    if curr0 + cost <= limit then
       -- Later in this window: prev * (W - e') <= (limit - curr - cost) * W.
-      local at = wms - idiv((limit - currs[i] - cost) * wms, prev)
-      retry = start + at * 1000 - now
+      retry = start + (wms - idiv((limit - curr0 - cost) * wms, prev)) * 1000 - now
     else
       -- In the next window, where the current count becomes the previous one.
-      local at = wms - idiv((limit - cost) * wms, currs[i])
-      retry = start + window + at * 1000 - now
+      retry = start + window + (wms - idiv((limit - cost) * wms, curr0)) * 1000 - now
     end
   end
-  reply[#reply + 1] = remaining
-  reply[#reply + 1] = reset
-  reply[#reply + 1] = retry
+  reply[3 * i - 1], reply[3 * i], reply[3 * i + 1] = remaining, reset, retry
   if start + 2 * window > expire_at then expire_at = start + 2 * window end
-  writes[#writes + 1] = 'w' .. i
-  writes[#writes + 1] = string.format('%d', start)
-  writes[#writes + 1] = 'c' .. i
-  writes[#writes + 1] = string.format('%d', curr)
-  writes[#writes + 1] = 'p' .. i
-  writes[#writes + 1] = string.format('%d', prev)
+  rates[k - 2] = curr
 end
 
 if consume then
-  redis.call('HSET', key, unpack(writes))
-  local ttl = math.ceil((expire_at - now) / 1000) + tonumber(ARGV[5])
-  redis.call('PEXPIRE', key, string.format('%d', ttl))
+  if same then
+    -- Every rate is in its stored window: only the current counts change.
+    if n == 1 then
+      redis.call('HSET', key, 'c1', string.format('%d', rates[4]))
+    else
+      local writes = {}
+      for i = 1, n do
+        writes[2 * i - 1], writes[2 * i] = 'c' .. i, string.format('%d', rates[6 * i - 2])
+      end
+      redis.call('HSET', key, unpack(writes))
+    end
+  elseif n == 1 then
+    local start, curr = string.format('%d', rates[3]), string.format('%d', rates[4])
+    redis.call('HSET', key, 'w1', start, 'c1', curr, 'p1', string.format('%d', rates[5]))
+  else
+    local writes = {}
+    for i = 1, n do
+      local k = 6 * i
+      writes[k - 5], writes[k - 4] = 'w' .. i, string.format('%d', rates[k - 3])
+      writes[k - 3], writes[k - 2] = 'c' .. i, string.format('%d', rates[k - 2])
+      writes[k - 1], writes[k] = 'p' .. i, string.format('%d', rates[k - 1])
+    end
+    redis.call('HSET', key, unpack(writes))
+  end
+  redis.call('PEXPIRE', key, string.format('%d', math.ceil((expire_at - now) / 1000) + ARGV[5]))
 end
 return reply
