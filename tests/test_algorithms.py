@@ -404,6 +404,27 @@ def test_fixed_window_ttl_ends_with_the_window(
     assert_ttl(limiter, backend, servers, key, 10_000 + 1_000)
 
 
+@pytest.mark.parametrize("algorithm", ["fixed_window", "sliding_window"])
+def test_on_the_server_clock_a_hit_in_the_same_window_keeps_the_ttl(
+    server: RedisServer, key_prefix: str, algorithm: str
+) -> None:
+    """On the server's clock the TTL set when a window starts already runs to its end (plus
+    the margin), so later hits in that window leave it alone: a TTL no hit would set stays."""
+    policy = Policy("ttl-kept", "5 per day", algorithm)
+    admin = server.client()
+    with Limiter.from_url(server.url, key_prefix=key_prefix, deny_cache=0) as limiter:
+        (key,) = limiter.keys(policy, "a")
+        assert limiter.hit(policy, "a").remaining == 4
+        assert 0 < admin.pttl(key) <= 2 * 86_400_000 + 1_000
+        start = admin.hget(key, "w1")
+        admin.pexpire(key, 3 * 86_400_000)  # a TTL no hit would set
+        second = limiter.hit(policy, "a")
+        assert second.remaining == 3
+        if admin.hget(key, "w1") == start:  # not across midnight UTC, when a new window starts
+            assert admin.pttl(key) > 3 * 86_400_000 - 60_000
+    admin.close()
+
+
 # == sliding_window ==========================================================================
 
 

@@ -29,7 +29,9 @@ from ratekeeper import (
     RequestRejected,
     StorageTimeout,
 )
+from ratekeeper._scripts import load_script
 from ratekeeper._storage import _batch
+from ratekeeper._storage.redis import BATCH_LANES
 
 from .delay_proxy import DelayProxy
 from .servers import RedisServer
@@ -98,7 +100,8 @@ def test_concurrent_calls_share_one_round_trip(
     decisions = asyncio.run(main())
     assert all(isinstance(d, Decision) and d.allowed and d.remaining == 999 for d in decisions)
     assert wire.commands == 200
-    assert len(wire.sends) == 1  # one write, one pipeline, for 200 concurrent decisions
+    # One write per lane (its calls chosen by key) for 200 concurrent decisions.
+    assert len(wire.sends) == BATCH_LANES == 2
 
 
 def test_batches_are_capped_and_spread_over_lanes(
@@ -118,6 +121,50 @@ def test_batches_are_capped_and_spread_over_lanes(
     assert wire.commands == n
     assert max(count for _, count in wire.sends) == _batch.MAX_BATCH
     assert len(wire.sends) == 4
+
+
+async def _turns(n: int) -> None:
+    """Let the event loop run ``n`` turns (no time passes: sleep(0) only yields)."""
+    for _ in range(n):
+        await asyncio.sleep(0)
+
+
+def test_lanes_overlap_and_keep_each_keys_order() -> None:
+    """While one lane's batch is out, another lane sends its own; a key keeps to its lane, so
+    its calls go out in the order they were made."""
+    sent: list[list[str]] = []
+    gates: list[asyncio.Event] = []
+
+    async def send(batch: list[_batch.Pending]) -> None:
+        number = len(sent)
+        sent.append([call.keys[0] for call in batch])
+        gate = asyncio.Event()
+        gates.append(gate)
+        await gate.wait()
+        for call in batch:
+            call.resolve(number)
+
+    candidates = [f"key-{i}" for i in range(64)]
+    a = next(k for k in candidates if hash(k) % 2 == 0)
+    b = next(k for k in candidates if hash(k) % 2 == 1)
+
+    async def main() -> None:
+        batcher = _batch.Batcher(send, lanes=2)
+        script = load_script("sliding_log")  # any script: this send ignores it
+        first = batcher.submit(script, (a,), ())
+        await _turns(1)  # a's lane takes the lone call
+        later = [batcher.submit(script, (key,), ()) for key in (a, b, a, b, b)]
+        await _turns(1)
+        assert sent == [[a], [b, b, b]]  # b's lane was free; a's calls wait for theirs
+        gates[0].set()
+        assert await first == 0
+        await _turns(3)
+        assert sent == [[a], [b, b, b], [a, a]]
+        for gate in gates:
+            gate.set()
+        assert await asyncio.gather(*later) == [2, 1, 2, 1, 1]
+
+    asyncio.run(main())
 
 
 Steps = list[list[tuple[Policy, str, int]]]
@@ -189,10 +236,11 @@ def test_batching_changes_no_decision_on_the_cluster(
     ]
     got = _in_bursts(flavor_cluster.url, key_prefix, steps, 1.5, wire.clear)
     assert got == _one_by_one(steps, 1.5)
-    # Grouped by node: one pipeline per primary per step, never one write per call.
+    # Grouped by node: one pipeline per primary per lane per step, never one write per call.
     primaries = {node.port for node in flavor_cluster.primary_nodes()}
     assert {port for port, _ in wire.sends} == primaries
-    assert len(wire.sends) == len(primaries) * len(steps)
+    per_step = len(primaries) * BATCH_LANES
+    assert len(primaries) * len(steps) <= len(wire.sends) <= per_step * len(steps)
     assert wire.commands == sum(len(step) for step in steps)
 
 

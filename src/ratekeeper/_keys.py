@@ -16,6 +16,7 @@ import re
 from base64 import urlsafe_b64encode
 from functools import lru_cache
 from hashlib import blake2b
+from typing import Any
 
 from ._errors import ConfigError
 
@@ -49,12 +50,14 @@ def identity_bytes(identity: Identity) -> bytes:
 #: Recent (policy, identity) pairs whose keys are kept ready (about 300 bytes each).
 KEY_CACHE_SIZE = 4096
 _CACHED_IDENTITY_LEN = 256
+#: Policy names whose digest state (after hashing the name) is kept to be copied.
+_NAMED_STATES = 1024
 
 
 class KeyBuilder:
     """Builds the keys of one decision from a policy name and an identity."""
 
-    __slots__ = ("_cached", "prefix")
+    __slots__ = ("_cached", "_named", "prefix")
 
     def __init__(self, prefix: str = DEFAULT_KEY_PREFIX) -> None:
         if not isinstance(prefix, str) or _PREFIX.fullmatch(prefix) is None:
@@ -65,14 +68,20 @@ class KeyBuilder:
         self.prefix = prefix
         # Hot identities (a flood, a busy user) skip the digest; typed, so 1 and True differ.
         self._cached = lru_cache(maxsize=KEY_CACHE_SIZE, typed=True)(self._build)
+        self._named: dict[str, Any] = {}  # policy name -> digest state after the name
 
     def tag(self, policy_name: str, identity: Identity) -> str:
         """The hash tag shared by every key of one (policy, identity)."""
-        name = policy_name.encode("ascii")
-        h = blake2b(digest_size=16, person=b"ratekeeper-id")
-        # Length-prefix the name so (name, identity) pairs can never run into each other.
-        h.update(len(name).to_bytes(2, "big"))
-        h.update(name)
+        named = self._named.get(policy_name)
+        if named is None:
+            name = policy_name.encode("ascii")
+            named = blake2b(digest_size=16, person=b"ratekeeper-id")
+            # Length-prefix the name so (name, identity) pairs can never run into each other.
+            named.update(len(name).to_bytes(2, "big"))
+            named.update(name)
+            if len(self._named) < _NAMED_STATES:
+                self._named[policy_name] = named
+        h = named.copy()
         h.update(identity_bytes(identity))
         return urlsafe_b64encode(h.digest()).rstrip(b"=").decode("ascii")
 

@@ -1,10 +1,17 @@
 """Auto-batching for asyncio: calls made while the connection is busy share the next round trip.
 
-``Batcher.submit`` queues a call and returns a future. If fewer than ``lanes`` batches are in
-flight, a flush task is started; it runs on the event loop's next turn, so every call submitted
-in the meantime (by other tasks) goes out with it. No timer is involved: a lone call waits for
-nothing but the loop's next turn, and under load a batch holds whatever arrived while the
-previous one was on the wire. Each call keeps its own result or error.
+``Batcher.submit`` puts a call in the queue of its lane, chosen by its first key, and returns a
+future. If that lane has no batch in flight, a flush task is started; it runs on the event
+loop's next turn, so every call submitted to the lane in the meantime (by other tasks) goes out
+with it. No timer is involved: a lone call waits for nothing but the loop's next turn, and under
+load a batch holds whatever arrived while the lane's previous one was on the wire. Each call
+keeps its own result or error.
+
+Lanes keep the client and the server busy at once: while the server runs one lane's batch, the
+event loop works through the replies of another. A key always takes the same lane, and a lane
+sends one batch at a time, so the calls on one key run in the order they were made. (Lanes
+chosen by arrival instead could let a later call on a key overtake an earlier one on another
+connection.)
 """
 
 from __future__ import annotations
@@ -53,7 +60,7 @@ Send = Callable[[list[Pending]], Awaitable[None]]
 
 
 class Batcher:
-    """Coalesces calls into batches for ``send``, at most ``lanes`` batches in flight.
+    """Coalesces calls into batches for ``send``: ``lanes`` queues, one batch in flight each.
 
     ``send`` must settle every call of its batch (``resolve`` or ``fail``); a call it leaves
     unsettled, or every call if it raises, fails with a StorageError.
@@ -63,8 +70,8 @@ class Batcher:
         self._send = send
         self._lanes = lanes
         self._max_batch = max_batch
-        self._queue: list[Pending] = []
-        self._flushing = 0
+        self._queues: list[list[Pending]] = [[] for _ in range(lanes)]
+        self._flushing = [False] * lanes
         self._loop: asyncio.AbstractEventLoop | None = None
         self._tasks: set[asyncio.Task[None]] = set()
 
@@ -74,21 +81,25 @@ class Batcher:
         loop = asyncio.get_running_loop()
         if loop is not self._loop:
             # Futures belong to one loop; a limiter reused on a new loop starts afresh.
-            self._loop, self._queue, self._flushing = loop, [], 0
+            self._loop = loop
+            self._queues = [[] for _ in range(self._lanes)]
+            self._flushing = [False] * self._lanes
         future: asyncio.Future[Any] = loop.create_future()
-        self._queue.append(Pending(script, keys, args, future))
-        if self._flushing < self._lanes:
-            self._flushing += 1
-            task = loop.create_task(self._flush(loop))
+        lane = hash(keys[0]) % self._lanes if self._lanes > 1 else 0
+        self._queues[lane].append(Pending(script, keys, args, future))
+        if not self._flushing[lane]:
+            self._flushing[lane] = True
+            task = loop.create_task(self._flush(loop, lane))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
         return future
 
-    async def _flush(self, loop: asyncio.AbstractEventLoop) -> None:
+    async def _flush(self, loop: asyncio.AbstractEventLoop, lane: int) -> None:
+        queue = self._queues[lane]
         try:
-            while self._queue and self._loop is loop:
-                batch = self._queue[: self._max_batch]
-                del self._queue[: self._max_batch]
+            while queue and self._loop is loop:
+                batch = queue[: self._max_batch]
+                del queue[: self._max_batch]
                 # A caller cancelled before its call went out consumes nothing.
                 batch = [call for call in batch if not call.future.done()]
                 if not batch:
@@ -107,4 +118,4 @@ class Batcher:
                     call.fail(StorageError("the batch ended without a reply for this call"))
         finally:
             if self._loop is loop:
-                self._flushing -= 1
+                self._flushing[lane] = False

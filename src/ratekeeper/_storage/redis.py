@@ -715,7 +715,8 @@ class AsyncRedisStorage:
             await other.aclose()
 
 
-#: Round trips one asyncio storage keeps in flight at once, each on its own connection.
+#: Lanes of one asyncio storage's batcher: round trips in flight at once, each on its own
+#: connection. Two keep the client and the server busy together; more only add round trips.
 BATCH_LANES = 2
 
 #: Error replies after which a call in a cluster batch is sent again through redis-py's cluster

@@ -12,7 +12,10 @@
 -- writes times in microseconds in scientific notation.
 
 local now = ARGV[1] + 0
-if now <= 0 then
+-- With the server's clock, a key's TTL and its windows run on one clock: a TTL set at a
+-- window's end stays right for the whole window. A client's clock may not keep pace with it.
+local server_clock = now <= 0
+if server_clock then
   -- Redis 6.2 needs effects replication before a non-deterministic command; 7+ always does it,
   -- and there the call, a no-op, still costs a fifth of a script's time.
   if not redis.REDIS_VERSION_NUM and redis.replicate_commands then redis.replicate_commands() end

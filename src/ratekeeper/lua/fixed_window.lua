@@ -8,11 +8,12 @@
 --
 -- Windows are aligned to the epoch: [floor(now / W) * W, +W). A count from an older window is
 -- worth nothing. The TTL is set to the end of the longest current window plus a margin, never
--- now + W, so hits cannot keep a key alive past its window.
+-- now + W, so hits cannot keep a key alive past its window. On the server's clock, a hit that
+-- starts no new window leaves the TTL as it is.
 --
 -- Returns {allowed, remaining_1, reset_1, retry_1, ...}; times in microseconds; retry -1 = fits,
 -- -2 = never (cost above the limit). A denial writes nothing.
--- now, cost, peek, n and key come from _prelude.lua.
+-- now, server_clock, cost, peek, n and key come from _prelude.lua.
 
 local stored
 if n == 1 then
@@ -26,11 +27,16 @@ end
 -- Per rate i, rates[4i - 3 .. 4i] = limit, window, start of the current window, count in it.
 local rates = {0, 0, 0, 0}
 local allowed = true
+local same = true  -- whether every rate is still in its stored window
 for i = 1, n do
   local limit, window = ARGV[5 + 2 * i] + 0, ARGV[6 + 2 * i] + 0
   local start = now - now % window
   local count = 0
-  if stored[2 * i - 1] and stored[2 * i - 1] + 0 == start then count = stored[2 * i] + 0 end
+  if stored[2 * i - 1] and stored[2 * i - 1] + 0 == start then
+    count = stored[2 * i] + 0
+  else
+    same = false
+  end
   rates[4 * i - 3], rates[4 * i - 2], rates[4 * i - 1], rates[4 * i] = limit, window, start, count
   if count + cost > limit then allowed = false end
 end
@@ -54,11 +60,18 @@ for i = 1, n do
   rates[4 * i] = used
 end
 
-if consume then
-  if n == 1 and rates[4] > cost then
-    -- Counted in this window before: the stored start stays, only the count changes.
+if consume and same and server_clock then
+  -- Every rate is in its stored window: only the counts change. The TTL set when those windows
+  -- were stored already ends with the longest of them.
+  if n == 1 then
     redis.call('HSET', key, 'c1', string.format('%d', rates[4]))
-  elseif n == 1 then
+  else
+    local writes = {}
+    for i = 1, n do writes[2 * i - 1], writes[2 * i] = 'c' .. i, string.format('%d', rates[4 * i]) end
+    redis.call('HSET', key, unpack(writes))
+  end
+elseif consume then
+  if n == 1 then
     local start, used = string.format('%d', rates[3]), string.format('%d', rates[4])
     redis.call('HSET', key, 'w1', start, 'c1', used)
   else

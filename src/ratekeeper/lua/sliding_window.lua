@@ -15,7 +15,7 @@
 --
 -- Returns {allowed, remaining_1, reset_1, retry_1, ...}; times in microseconds; retry -1 = fits,
 -- -2 = never. A denial writes nothing.
--- now, cost, peek, n and key come from _prelude.lua.
+-- now, server_clock, cost, peek, n and key come from _prelude.lua.
 
 -- floor(a / b) for integers, exact where a / b in doubles might round across an integer.
 local function idiv(a, b)
@@ -97,8 +97,9 @@ for i = 1, n do
 end
 
 if consume then
-  if same then
-    -- Every rate is in its stored window: only the current counts change.
+  if same and server_clock then
+    -- Every rate is in its stored window: only the current counts change. The TTL set when
+    -- those windows were stored already runs to the end of the longest window after them.
     if n == 1 then
       redis.call('HSET', key, 'c1', string.format('%d', rates[4]))
     else
@@ -108,19 +109,22 @@ if consume then
       end
       redis.call('HSET', key, unpack(writes))
     end
-  elseif n == 1 then
-    local start, curr = string.format('%d', rates[3]), string.format('%d', rates[4])
-    redis.call('HSET', key, 'w1', start, 'c1', curr, 'p1', string.format('%d', rates[5]))
   else
-    local writes = {}
-    for i = 1, n do
-      local k = 6 * i
-      writes[k - 5], writes[k - 4] = 'w' .. i, string.format('%d', rates[k - 3])
-      writes[k - 3], writes[k - 2] = 'c' .. i, string.format('%d', rates[k - 2])
-      writes[k - 1], writes[k] = 'p' .. i, string.format('%d', rates[k - 1])
+    if n == 1 then
+      local start, curr = string.format('%d', rates[3]), string.format('%d', rates[4])
+      redis.call('HSET', key, 'w1', start, 'c1', curr, 'p1', string.format('%d', rates[5]))
+    else
+      local writes = {}
+      for i = 1, n do
+        local k = 6 * i
+        writes[k - 5], writes[k - 4] = 'w' .. i, string.format('%d', rates[k - 3])
+        writes[k - 3], writes[k - 2] = 'c' .. i, string.format('%d', rates[k - 2])
+        writes[k - 1], writes[k] = 'p' .. i, string.format('%d', rates[k - 1])
+      end
+      redis.call('HSET', key, unpack(writes))
     end
-    redis.call('HSET', key, unpack(writes))
+    local ttl = math.ceil((expire_at - now) / 1000) + ARGV[5]
+    redis.call('PEXPIRE', key, string.format('%d', ttl))
   end
-  redis.call('PEXPIRE', key, string.format('%d', math.ceil((expire_at - now) / 1000) + ARGV[5]))
 end
 return reply
