@@ -373,6 +373,37 @@ def test_a_cancelled_caller_consumes_nothing_and_others_are_unaffected(
     assert after.remaining == 6  # the cancelled call was never sent
 
 
+def test_batches_keep_their_connections(
+    server: RedisServer, key_prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Batches to a plain server take a connection from the pool once per lane and keep it,
+    however many batches go out; close() closes them."""
+    policy = Policy("kept", "1000/minute")
+    taken: list[Any] = []
+    original = redis.asyncio.ConnectionPool.get_connection
+
+    async def counting(self: Any, *args: Any, **kwargs: Any) -> Any:
+        connection = await original(self, *args, **kwargs)
+        taken.append(connection)
+        return connection
+
+    monkeypatch.setattr(redis.asyncio.ConnectionPool, "get_connection", counting)
+
+    async def main() -> list[int]:
+        got: list[Any] = []
+        async with _limiter(server.url, key_prefix) as limiter:
+            for _ in range(5):
+                got += await _gather(limiter, [(policy, f"user-{i}", 1) for i in range(100)])
+            assert any(c.is_connected for c in taken)
+        return [d.remaining for d in got]
+
+    assert asyncio.run(main()) == [999 - step for step in range(5) for _ in range(100)]
+    # 5 bursts of 100 calls in 2 lanes: one connection per lane, not one per batch (the INFO
+    # of the eviction check goes over one of them too).
+    assert len(taken) <= BATCH_LANES
+    assert not any(c.is_connected for c in taken)  # closed with the limiter
+
+
 def test_batching_can_be_turned_off(server: RedisServer, key_prefix: str, wire: Wire) -> None:
     policy = Policy("off", "1000/minute")
 

@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 from ratekeeper import AsyncLimiter, Decision, Limiter, ManualClock, Policy, Rate
+from ratekeeper._decision import make_decision
 from ratekeeper._keys import KeyBuilder
 
 from .conftest import MakeLimiter
@@ -619,3 +620,22 @@ def test_async_context_manager_closes(
         assert len(limiter.storage.sync) == 0  # type: ignore[attr-defined]
     else:
         assert _wait_disconnected(servers, backend, name) == 0
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        (True, 5, 4, 60.0, None, "p", Rate(5, 60.0)),
+        (False, 5, 0, 12.5, 3.25, "p", Rate(5, 60.0), False, "deny_cache"),
+        (True, 10, 10, 0.0, None, "q", Rate(10, 1.0), True, "timeout/open"),
+        (False, 1, 0, 0.0, math.inf, "r", Rate(1, 3600.0)),
+    ],
+)
+def test_the_fast_decision_builder_makes_the_same_decision(fields: tuple[Any, ...]) -> None:
+    built = make_decision(*fields)
+    usual = Decision(*fields)
+    assert built == usual
+    assert hash(built) == hash(usual)
+    assert repr(built) == repr(usual)
+    with pytest.raises(AttributeError):
+        built.allowed = not built.allowed  # type: ignore[misc]

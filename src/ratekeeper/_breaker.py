@@ -146,15 +146,20 @@ class CircuitBreaker:
 
     def allow(self) -> bool:
         """Whether a call may go to the store now. In half_open, admits one probe at a time."""
+        if self._state is BreakerState.CLOSED:
+            # Closed lets every call through; the lock would only order this read against a
+            # concurrent opening, which may as well have happened a moment later.
+            return True
         with self._lock:
             now = self._clock()
             self._tick(now)
             # half_open: one probe in flight; a probe that never reported (its caller died)
             # stops blocking others after open_for.
             probing = self._probe_in_flight and now - self._probe_started < self._open_for
-            if self._state is BreakerState.CLOSED:
+            state: BreakerState = self._state  # another thread may have closed it meanwhile
+            if state is BreakerState.CLOSED:
                 allowed = True
-            elif self._state is BreakerState.OPEN or probing:
+            elif state is BreakerState.OPEN or probing:
                 allowed = False
             else:
                 self._probe_in_flight = True

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from ._algorithms import HIT, PEEK, RELEASE, RETRY_NEVER, RETRY_NONE, encode_args, get_algorithm
 from ._clock import Clock
-from ._decision import Decision
+from ._decision import Decision, make_decision
 from ._errors import ConfigError
 from ._keys import DEFAULT_KEY_PREFIX, Identity, KeyBuilder
 from ._policy import Policy
@@ -27,9 +27,10 @@ __all__ = ["TTL_MARGIN_MS", "Call", "Core"]
 TTL_MARGIN_MS = 1_000
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Call:
-    """One script call, ready for a storage to run."""
+    """One script call, ready for a storage to run. Treat it as immutable (it is not frozen:
+    a frozen dataclass costs a microsecond more to build, on every call)."""
 
     script: Script
     keys: tuple[str, ...]
@@ -214,12 +215,7 @@ class Core:
         retry_after: float | None = None
         if not allowed and retry != RETRY_NONE:
             retry_after = math.inf if retry == RETRY_NEVER else retry / 1_000_000
-        return Decision(
-            allowed=allowed,
-            limit=policy.rates[best].limit,
-            remaining=remaining,
-            reset_after=reset / 1_000_000,
-            retry_after=retry_after,
-            policy=policy.name,
-            rate=policy.rates[best],
+        rate = policy.rates[best]
+        return make_decision(
+            allowed, rate.limit, remaining, reset / 1_000_000, retry_after, policy.name, rate
         )

@@ -26,7 +26,7 @@ from ._algorithms import HIT, RELEASE
 from ._breaker import CircuitBreaker
 from ._clock import Clock
 from ._core import Call, Core
-from ._decision import Decision
+from ._decision import Decision, make_decision
 from ._errors import ConfigError, StorageError, StorageTimeout, StorageUnavailable
 from ._policy import FAILURE_MODES, Policy
 from ._rates import Rate
@@ -102,14 +102,14 @@ class _DenyCache:
             # Only the same cost has the same wait: a larger one may need longer, or never fit.
             return None
         reset = max(round(decision.reset_after * 1_000_000) - (now - at), 0)
-        return Decision(  # built directly: dataclasses.replace costs more than the lookup
-            allowed=False,
-            limit=decision.limit,
-            remaining=decision.remaining,
-            reset_after=reset / 1_000_000,
-            retry_after=(until - now) / 1_000_000,
-            policy=decision.policy,
-            rate=decision.rate,
+        return make_decision(  # built directly: dataclasses.replace costs more than the lookup
+            False,
+            decision.limit,
+            decision.remaining,
+            reset / 1_000_000,
+            (until - now) / 1_000_000,
+            decision.policy,
+            decision.rate,
             reason="deny_cache",
         )
 

@@ -100,4 +100,6 @@ class KeyBuilder:
         self, policy_name: str, identity: Identity, suffixes: tuple[str, ...]
     ) -> tuple[str, ...]:
         base = f"{self.prefix}:{policy_name}:{{{self.tag(policy_name, identity)}}}:"
+        if len(suffixes) == 1:  # every algorithm so far: skip the generator
+            return (base + suffixes[0],)
         return tuple(base + suffix for suffix in suffixes)

@@ -566,6 +566,15 @@ class AsyncRedisStorage:
         self._ready_lock = asyncio.Lock()
         self._watch = _master_watch(client)
         self._batcher: Batcher | None = None
+        # Batches to a plain server keep their connections instead of checking them in and out
+        # of the pool each time (a lock, a readiness poll, a deprecation wrapper): at most one
+        # per lane. Sentinel-managed pools are left alone: a master switch disconnects only the
+        # connections checked in.
+        self._keep = type(client) is redis.asyncio.Redis and (
+            type(client.connection_pool) is redis.asyncio.ConnectionPool
+        )
+        self._kept: list[Any] = []
+        self._kept_loop: asyncio.AbstractEventLoop | None = None
         if batching:
             send = self._send_cluster if self._cluster else self._send_single
             self._batcher = Batcher(send, lanes=BATCH_LANES)
@@ -583,11 +592,26 @@ class AsyncRedisStorage:
     async def _check_eviction(self) -> None:
         self._checked_eviction = True
         try:
-            warning = eviction_warning(await self.client.info("memory"))
+            if self._kept and self._kept_loop is asyncio.get_running_loop():
+                info: Any = await self._info_on_kept()  # not a second connection from the pool
+            else:
+                info = await self.client.info("memory")
+            warning = eviction_warning(info)
         except CLIENT_ERRORS:  # INFO may be forbidden on a managed server
             return
         if warning:
             log.warning("%s", warning)
+
+    async def _info_on_kept(self) -> dict[str, str]:
+        connection = self._kept.pop()
+        try:
+            await connection.send_command("INFO", "memory")
+            return _parse_info(await connection.read_response())
+        except BaseException:
+            await connection.disconnect()  # its reply may still be on the way
+            raise
+        finally:
+            self._kept.append(connection)
 
     @classmethod
     def from_url(cls, url: str, *, batching: bool = True, **options: Any) -> AsyncRedisStorage:
@@ -641,15 +665,33 @@ class AsyncRedisStorage:
 
     async def _send_single(self, batch: list[Pending]) -> None:
         pool = self.client.connection_pool
+        connection = None
+        if self._keep:
+            loop = asyncio.get_running_loop()
+            if self._kept_loop is not loop:  # connections belong to the loop that opened them
+                await self._give_back()
+                self._kept_loop = loop
+            if self._kept:
+                connection = self._kept.pop()
+        if connection is None:
+            try:
+                connection = await pool.get_connection()
+            except CLIENT_ERRORS as exc:
+                _fail_all(batch, exc)
+                return
         try:
-            connection = await pool.get_connection()
-        except CLIENT_ERRORS as exc:
-            _fail_all(batch, exc)
-            return
-        try:
+            # A connection that broke or timed out was disconnected; it reconnects when next used.
             await _pipeline(connection, batch, retries=1, reroute=False)
         finally:
-            await pool.release(connection)
+            if self._keep:
+                self._kept.append(connection)
+            else:
+                await pool.release(connection)
+
+    async def _give_back(self) -> None:
+        kept, self._kept = self._kept, []
+        for connection in kept:
+            await self.client.connection_pool.release(connection)
 
     async def _send_cluster(self, batch: list[Pending]) -> None:
         """Group the calls by the node that serves their slot, one pipeline per node. Calls the
@@ -710,6 +752,7 @@ class AsyncRedisStorage:
             raise _translate(exc) from exc
 
     async def close(self) -> None:
+        await self._give_back()
         await self.client.aclose()
         for other in self._also_close:
             await other.aclose()
