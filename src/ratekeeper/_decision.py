@@ -45,7 +45,6 @@ class Decision:
 
 
 _new = object.__new__
-_FIELDS = ("allowed", "limit", "remaining", "reset_after", "retry_after", "policy", "rate")
 (
     _allowed,
     _limit,
@@ -56,7 +55,7 @@ _FIELDS = ("allowed", "limit", "remaining", "reset_after", "retry_after", "polic
     _rate,
     _degraded,
     _reason,
-) = (getattr(Decision, name).__set__ for name in (*_FIELDS, "degraded", "reason"))
+) = (getattr(Decision, name).__set__ for name in Decision.__slots__)
 
 
 def make_decision(
