@@ -28,6 +28,7 @@ from ratekeeper import (
 )
 from ratekeeper._algorithms import get_algorithm
 from ratekeeper._scripts import load_script
+from ratekeeper._storage import redis as redis_storage
 
 from .private_servers import private_servers
 from .servers import RedisServer, find_binaries
@@ -142,6 +143,61 @@ def test_script_flush_between_hits_async(private: RedisServer, key_prefix: str):
 
     with _admin(private) as admin:
         asyncio.run(main(admin))
+
+
+def test_script_flush_between_the_load_and_the_call_sync(
+    private: RedisServer, key_prefix: str, monkeypatch: pytest.MonkeyPatch
+):
+    """A second SCRIPT FLUSH lands right after the NOSCRIPT recovery loaded the script (another
+    process flushing in a loop): the call is sent with EVAL, which carries the script, and no
+    NOSCRIPT reaches the caller."""
+    policy = Policy("flush-race", "5/minute")
+    with (
+        _admin(private) as admin,
+        Limiter.from_url(private.url, key_prefix=key_prefix, **PATIENT) as limiter,
+    ):
+        assert limiter.hit(policy, "a").remaining == 4
+        original = redis_storage._exchange
+
+        def flush_after_load(connection: Any, packed: list[bytes]) -> Any:
+            reply = original(connection, packed)
+            if b"LOAD" in packed[0]:
+                admin.script_flush()
+            return reply
+
+        monkeypatch.setattr(redis_storage, "_exchange", flush_after_load)
+        admin.script_flush()
+        evals = _calls(admin, "eval")
+        assert limiter.hit(policy, "a").remaining == 3
+        assert _calls(admin, "eval") == evals + 1
+        assert [limiter.hit(policy, "a").allowed for _ in range(4)] == [True, True, True, False]
+
+
+def test_script_flush_between_the_load_and_the_call_async(
+    private: RedisServer, key_prefix: str, monkeypatch: pytest.MonkeyPatch
+):
+    """The same race on redis-py's command path (here: asyncio, batching off)."""
+    policy = Policy("flush-race", "5/minute")
+    original = redis.asyncio.Redis.script_load
+
+    async def main(admin: redis.Redis) -> list[int]:
+        async def load_then_flush(self: Any, script: Any) -> Any:
+            sha = await original(self, script)
+            admin.script_flush()
+            return sha
+
+        monkeypatch.setattr(redis.asyncio.Redis, "script_load", load_then_flush)
+        options = {**PATIENT, "batching": False}
+        async with AsyncLimiter.from_url(private.url, key_prefix=key_prefix, **options) as limiter:
+            first = (await limiter.hit(policy, "a")).remaining
+            admin.script_flush()
+            evals = _calls(admin, "eval")
+            second = (await limiter.hit(policy, "a")).remaining
+            assert _calls(admin, "eval") == evals + 1
+            return [first, second]
+
+    with _admin(private) as admin:
+        assert asyncio.run(main(admin)) == [4, 3]
 
 
 def test_script_flush_before_a_peek_reloads_too(private: RedisServer, key_prefix: str):

@@ -429,12 +429,17 @@ class RedisStorage:
     ) -> list[int]:
         """One call through redis-py's own command path (redirections, retries)."""
         client = self.client
+        command = ("EVALSHA", script.sha, len(keys), *keys, *args)
         try:
             try:
-                reply = client.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)  # type: ignore[no-untyped-call]
+                reply = client.execute_command(*command)  # type: ignore[no-untyped-call]
             except NoScriptError:
                 client.script_load(script.source)
-                reply = client.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)  # type: ignore[no-untyped-call]
+                try:
+                    reply = client.execute_command(*command)  # type: ignore[no-untyped-call]
+                except NoScriptError:  # flushed again between the load and the call
+                    evaluate = ("EVAL", script.source, *command[2:])
+                    reply = client.execute_command(*evaluate)  # type: ignore[no-untyped-call]
         except CLIENT_ERRORS as exc:
             raise _translate(exc) from exc
         return reply  # type: ignore[no-any-return]
@@ -497,6 +502,9 @@ class _Lean:
             if script is not None and isinstance(reply, NoScriptError):
                 _exchange(connection, [pack_command(("SCRIPT", "LOAD", script.source))])
                 reply = _exchange(connection, packed)
+                if isinstance(reply, NoScriptError):  # flushed again between load and call
+                    evaluate = pack_command(("EVAL", script.source, *command[2:]))
+                    reply = _exchange(connection, [evaluate])
             clean = True
         except CLIENT_ERRORS as exc:
             raise _translate(exc) from exc
@@ -708,12 +716,17 @@ class AsyncRedisStorage:
     ) -> list[int]:
         """One call through redis-py's own command path (redirections, retries)."""
         client = self.client
+        command = ("EVALSHA", script.sha, len(keys), *keys, *args)
         try:
             try:
-                reply = await client.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)  # type: ignore[no-untyped-call]
+                reply = await client.execute_command(*command)  # type: ignore[no-untyped-call]
             except NoScriptError:
                 await client.script_load(script.source)
-                reply = await client.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)  # type: ignore[no-untyped-call]
+                try:
+                    reply = await client.execute_command(*command)  # type: ignore[no-untyped-call]
+                except NoScriptError:  # flushed again between the load and the call
+                    evaluate = ("EVAL", script.source, *command[2:])
+                    reply = await client.execute_command(*evaluate)  # type: ignore[no-untyped-call]
         except CLIENT_ERRORS as exc:
             raise _translate(exc) from exc
         return reply  # type: ignore[no-any-return]
