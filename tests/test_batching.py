@@ -30,8 +30,7 @@ from ratekeeper import (
     StorageTimeout,
 )
 from ratekeeper._scripts import load_script
-from ratekeeper._storage import _batch
-from ratekeeper._storage.redis import BATCH_LANES
+from ratekeeper._storage.redis import BATCH_LANES, _batch
 
 from .delay_proxy import DelayProxy
 from .servers import RedisServer
@@ -137,12 +136,12 @@ def test_lanes_overlap_and_keep_each_keys_order() -> None:
 
     async def send(batch: list[_batch.Pending]) -> None:
         number = len(sent)
-        sent.append([call.keys[0] for call in batch])
+        sent.append([call.exchange.key for call in batch])
         gate = asyncio.Event()
         gates.append(gate)
         await gate.wait()
         for call in batch:
-            call.resolve(number)
+            call.exchange.replied(number)
 
     candidates = [f"key-{i}" for i in range(64)]
     a = next(k for k in candidates if hash(k) % 2 == 0)

@@ -109,8 +109,12 @@ def test_processes_times_threads_admit_exactly_the_limit(server: RedisServer, ke
     _assert_exactly_the_limit(server, key_prefix, policy, results, PROCESSES * THREADS * HITS_EACH)
 
 
-def test_processes_times_async_tasks_admit_exactly_the_limit(server: RedisServer, key_prefix: str):
-    """4 spawned processes x 16 asyncio tasks, 1,280 hits on one identity: exactly 100 pass."""
+@pytest.mark.parametrize("batching", [True, False], ids=["batching", "no-batching"])
+def test_processes_times_async_tasks_admit_exactly_the_limit(
+    server: RedisServer, key_prefix: str, batching: bool
+):
+    """4 spawned processes x 16 asyncio tasks, 1,280 hits on one identity: exactly 100 pass,
+    with batching on (the default) and off."""
     ctx = multiprocessing.get_context("spawn")
     policy = Policy("exact", f"{LIMIT}/minute")
     results = _run_processes(
@@ -125,6 +129,7 @@ def test_processes_times_async_tasks_admit_exactly_the_limit(server: RedisServer
         tasks=THREADS,
         hits_per_task=HITS_EACH,
         barrier=ctx.Barrier(PROCESSES),
+        batching=batching,
     )
     _assert_exactly_the_limit(server, key_prefix, policy, results, PROCESSES * THREADS * HITS_EACH)
 
@@ -209,6 +214,7 @@ def _run_rounds(server: RedisServer, mode: str) -> tuple[str, list[dict[str, Any
             tasks=THREADS,
             hits_per_task=ROUND_HITS,
             barrier=ctx.Barrier(PROCESSES),
+            batching=mode == "async",  # "async-unbatched": batching off
         )
     return key_prefix, results
 
@@ -264,13 +270,13 @@ def _assert_round_state(url: str, key_prefix: str, round_: Round) -> None:
             client.close()
 
 
-@pytest.mark.parametrize("mode", ["threads", "async"])
+@pytest.mark.parametrize("mode", ["threads", "async", "async-unbatched"])
 @pytest.mark.parametrize("round_", ROUNDS, ids=[round_.name for round_ in ROUNDS])
 def test_every_algorithm_admits_exactly_its_promise_across_processes(
     server: RedisServer, round_runs: Any, round_: Round, mode: str
 ):
-    """4 spawned processes x 16 threads (or asyncio tasks) hit one identity 256 times under
-    each algorithm: exactly the promised number pass, not one more, not one fewer."""
+    """4 spawned processes x 16 threads (or asyncio tasks, batched or not) hit one identity 256
+    times under each algorithm: exactly the promised number pass, not one more, not one fewer."""
     key_prefix, results = round_runs(server, mode)
     admitted = sum(result["counts"][round_.name][0] for result in results)
     denied = sum(result["counts"][round_.name][1] for result in results)

@@ -11,7 +11,7 @@ import contextlib
 import os
 import signal
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -28,7 +28,7 @@ from ratekeeper import (
 )
 from ratekeeper._algorithms import get_algorithm
 from ratekeeper._scripts import load_script
-from ratekeeper._storage import redis as redis_storage
+from ratekeeper._storage.redis._exchange import Exchange
 
 from .private_servers import private_servers
 from .servers import RedisServer, find_binaries
@@ -145,27 +145,39 @@ def test_script_flush_between_hits_async(private: RedisServer, key_prefix: str):
         asyncio.run(main(admin))
 
 
+@pytest.fixture
+def flush_after_load(monkeypatch: pytest.MonkeyPatch) -> Callable[[redis.Redis], None]:
+    """Arms a SCRIPT FLUSH right after the NOSCRIPT recovery's SCRIPT LOAD is answered, before
+    the EVALSHA that follows it goes out (another process flushing in a loop). The seam is the
+    exchange every transport drives, so the same race is injected on each."""
+
+    def arm(admin: redis.Redis) -> None:
+        original = Exchange.replied
+
+        def replied(self: Exchange, reply: Any) -> int:
+            loaded = self.loading and not isinstance(reply, Exception)
+            step = original(self, reply)
+            if loaded:
+                admin.script_flush()
+            return step
+
+        monkeypatch.setattr(Exchange, "replied", replied)
+
+    return arm
+
+
 def test_script_flush_between_the_load_and_the_call_sync(
-    private: RedisServer, key_prefix: str, monkeypatch: pytest.MonkeyPatch
+    private: RedisServer, key_prefix: str, flush_after_load: Callable[[redis.Redis], None]
 ):
-    """A second SCRIPT FLUSH lands right after the NOSCRIPT recovery loaded the script (another
-    process flushing in a loop): the call is sent with EVAL, which carries the script, and no
-    NOSCRIPT reaches the caller."""
+    """The race on the blocking transport: the call is sent with EVAL, which carries the
+    script, and no NOSCRIPT reaches the caller."""
     policy = Policy("flush-race", "5/minute")
     with (
         _admin(private) as admin,
         Limiter.from_url(private.url, key_prefix=key_prefix, **PATIENT) as limiter,
     ):
         assert limiter.hit(policy, "a").remaining == 4
-        original = redis_storage._exchange
-
-        def flush_after_load(connection: Any, packed: list[bytes]) -> Any:
-            reply = original(connection, packed)
-            if b"LOAD" in packed[0]:
-                admin.script_flush()
-            return reply
-
-        monkeypatch.setattr(redis_storage, "_exchange", flush_after_load)
+        flush_after_load(admin)
         admin.script_flush()
         evals = _calls(admin, "eval")
         assert limiter.hit(policy, "a").remaining == 3
@@ -173,31 +185,36 @@ def test_script_flush_between_the_load_and_the_call_sync(
         assert [limiter.hit(policy, "a").allowed for _ in range(4)] == [True, True, True, False]
 
 
+@pytest.mark.parametrize("batching", [True, False], ids=["batching", "no-batching"])
 def test_script_flush_between_the_load_and_the_call_async(
-    private: RedisServer, key_prefix: str, monkeypatch: pytest.MonkeyPatch
+    private: RedisServer,
+    key_prefix: str,
+    flush_after_load: Callable[[redis.Redis], None],
+    batching: bool,
 ):
-    """The same race on redis-py's command path (here: asyncio, batching off)."""
-    policy = Policy("flush-race", "5/minute")
-    original = redis.asyncio.Redis.script_load
+    """The same race on asyncio, with batching on (the pipeline: 8 concurrent calls share one
+    SCRIPT LOAD, meet NOSCRIPT again, and each is sent once with EVAL) and off."""
+    policy = Policy("flush-race", "20/minute")
 
     async def main(admin: redis.Redis) -> list[int]:
-        async def load_then_flush(self: Any, script: Any) -> Any:
-            sha = await original(self, script)
-            admin.script_flush()
-            return sha
-
-        monkeypatch.setattr(redis.asyncio.Redis, "script_load", load_then_flush)
-        options = {**PATIENT, "batching": False}
+        options = {**PATIENT, "batching": batching}
         async with AsyncLimiter.from_url(private.url, key_prefix=key_prefix, **options) as limiter:
             first = (await limiter.hit(policy, "a")).remaining
+            flush_after_load(admin)
             admin.script_flush()
             evals = _calls(admin, "eval")
-            second = (await limiter.hit(policy, "a")).remaining
-            assert _calls(admin, "eval") == evals + 1
-            return [first, second]
+            loads = _calls(admin, "script|load")
+            decisions = await asyncio.gather(*(limiter.hit(policy, "a") for _ in range(8)))
+            assert all(not d.degraded for d in decisions)
+            if batching:  # one round trip: one SCRIPT LOAD for the batch, then 8 EVALs
+                assert _calls(admin, "script|load") - loads == 1
+                assert _calls(admin, "eval") - evals == 8
+            else:  # 8 connections racing: at least one met the flush after its load
+                assert _calls(admin, "eval") - evals >= 1
+            return [first, *sorted((d.remaining for d in decisions), reverse=True)]
 
     with _admin(private) as admin:
-        assert asyncio.run(main(admin)) == [4, 3]
+        assert asyncio.run(main(admin)) == [19, *range(18, 10, -1)]
 
 
 def test_script_flush_before_a_peek_reloads_too(private: RedisServer, key_prefix: str):

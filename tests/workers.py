@@ -113,17 +113,18 @@ def async_hits(
     hits_per_task: int,
     barrier: Any,
     queue: Any,
+    batching: bool = True,
 ) -> None:
     """``tasks`` concurrent asyncio tasks share one AsyncLimiter and each hit ``hits_per_task``.
 
     ``barrier`` has one party per process: every process opens its connections first, then all
-    processes release their tasks together.
+    processes release their tasks together. ``batching``: the AsyncLimiter option.
     """
     policy = Policy(policy_name, rates)
     errors: list[str] = []
 
     async def main() -> tuple[int, int]:
-        limiter = AsyncLimiter.from_url(url, **exact_options(key_prefix))
+        limiter = AsyncLimiter.from_url(url, batching=batching, **exact_options(key_prefix))
         try:
             # Concurrent peeks open one connection per task without consuming anything.
             await asyncio.gather(*(limiter.peek(policy, identity) for _ in range(tasks)))
@@ -284,8 +285,10 @@ def async_rounds(
     hits_per_task: int,
     barrier: Any,
     queue: Any,
+    batching: bool = True,
 ) -> None:
-    """Run every round in turn: ``tasks`` asyncio tasks hit ``identity`` under its policy.
+    """Run every round in turn: ``tasks`` asyncio tasks hit ``identity`` under its policy
+    (``batching``: the AsyncLimiter option).
 
     ``barrier`` has one party per process: before each round every process opens its connections
     and loads the round's script, then all of them release their tasks together.
@@ -304,8 +307,10 @@ def async_rounds(
 
     async def main() -> None:
         limiters = {
-            False: AsyncLimiter.from_url(url, **exact_options(key_prefix)),
-            True: AsyncLimiter.from_url(url, clock=frozen_clock, **exact_options(key_prefix)),
+            False: AsyncLimiter.from_url(url, batching=batching, **exact_options(key_prefix)),
+            True: AsyncLimiter.from_url(
+                url, clock=frozen_clock, batching=batching, **exact_options(key_prefix)
+            ),
         }
         try:
             for spec in rounds:

@@ -20,8 +20,8 @@ import asyncio
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from .._errors import StorageError
-from .._scripts import Script
+from ..._scripts import Script
+from ._exchange import Exchange
 
 __all__ = ["MAX_BATCH", "Batcher", "Pending"]
 
@@ -31,25 +31,27 @@ MAX_BATCH = 256
 
 
 class Pending:
-    """One queued script call and the future its caller awaits."""
+    """One queued script call: its exchange, and the future its caller awaits."""
 
-    __slots__ = ("args", "future", "keys", "script")
+    __slots__ = ("exchange", "future")
 
-    def __init__(
-        self,
-        script: Script,
-        keys: tuple[str, ...],
-        args: tuple[int | str, ...],
-        future: asyncio.Future[Any],
-    ) -> None:
-        self.script = script
-        self.keys = keys
-        self.args = args
+    def __init__(self, exchange: Exchange, future: asyncio.Future[Any]) -> None:
+        self.exchange = exchange
         self.future = future
 
-    def resolve(self, reply: Any) -> None:
-        if not self.future.done():  # the caller may have been cancelled meanwhile
-            self.future.set_result(reply)
+    def settle(self) -> None:
+        """Hand the exchange's outcome to the caller (unless it was cancelled meanwhile)."""
+        if self.future.done():
+            return
+        exchange = self.exchange
+        if exchange.error is not None:
+            self.future.set_exception(exchange.error)
+        elif exchange.done:
+            self.future.set_result(exchange.result)
+        else:
+            self.future.set_exception(
+                RuntimeError("ratekeeper bug: a batch ended before this call's exchange did")
+            )
 
     def fail(self, exc: BaseException) -> None:
         if not self.future.done():
@@ -62,8 +64,9 @@ Send = Callable[[list[Pending]], Awaitable[None]]
 class Batcher:
     """Coalesces calls into batches for ``send``: ``lanes`` queues, one batch in flight each.
 
-    ``send`` must settle every call of its batch (``resolve`` or ``fail``); a call it leaves
-    unsettled, or every call if it raises, fails with a StorageError.
+    ``send`` drives every exchange of its batch to its end; then each caller gets its own
+    exchange's outcome. If ``send`` raises, that is not the store failing (store failures end
+    the exchanges): every caller of the batch gets the exception as it is, never a decision.
     """
 
     def __init__(self, send: Send, *, lanes: int = 1, max_batch: int = MAX_BATCH) -> None:
@@ -86,7 +89,7 @@ class Batcher:
             self._flushing = [False] * self._lanes
         future: asyncio.Future[Any] = loop.create_future()
         lane = hash(keys[0]) % self._lanes if self._lanes > 1 else 0
-        self._queues[lane].append(Pending(script, keys, args, future))
+        self._queues[lane].append(Pending(Exchange(script, keys, args), future))
         if not self._flushing[lane]:
             self._flushing[lane] = True
             task = loop.create_task(self._flush(loop, lane))
@@ -110,12 +113,12 @@ class Batcher:
                     for call in batch:
                         call.future.cancel()
                     raise
-                except Exception as exc:
-                    error = exc if isinstance(exc, StorageError) else StorageError(str(exc))
+                except Exception as exc:  # a bug, not the store: it reaches the callers
                     for call in batch:
-                        call.fail(error)
+                        call.fail(exc)
+                    continue
                 for call in batch:
-                    call.fail(StorageError("the batch ended without a reply for this call"))
+                    call.settle()
         finally:
             if self._loop is loop:
                 self._flushing[lane] = False

@@ -1,0 +1,228 @@
+"""``AsyncRedisStorage``: the asyncio storage on Redis or Valkey (one server, Sentinel or Cluster).
+
+Calls are auto-batched (``_batch``): those made while a round trip is in flight go out together
+in the next one, through ``_pipeline`` on one connection (in a cluster, one per node; calls it
+cannot place or that are redirected go through redis-py's cluster client, ``_command``).
+``batching=False`` sends each call on its own: one server through ``_pipeline`` on a
+connection checked out of the pool, a cluster through ``_command``. Every script call is an
+``Exchange``, whichever way it goes.
+
+redis-py internals: ``client.connection_pool`` (``release``; check-out through ``_compat``);
+cluster clients' ``_initialize``, ``initialize()``, ``get_node_from_key``,
+``nodes_manager.nodes_cache``, ``ClusterNode.acquire_connection`` (release through ``_compat``);
+asyncio connections' ``send_command``/``read_response`` for the one ``INFO``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import redis.asyncio
+import redis.asyncio.cluster
+
+from ..._errors import StorageError
+from ..._scripts import Script
+from ._batch import Batcher, Pending
+from ._command import arun_command_path
+from ._compat import aget_connection, check_versions, release_node_connection
+from ._config import async_client, plan
+from ._errors import CLIENT_ERRORS, translate
+from ._eviction import log_eviction_warning, parse_info
+from ._exchange import Exchange
+from ._pipeline import can_keep_async, run_pipeline
+from ._sentinel import master_watch
+
+__all__ = ["BATCH_LANES", "AsyncRedisStorage"]
+
+#: Lanes of one asyncio storage's batcher: round trips in flight at once, each on its own
+#: connection. Two keep the client and the server busy together; more only add round trips.
+BATCH_LANES = 2
+
+
+class AsyncRedisStorage:
+    """Runs scripts on a ``redis.asyncio.Redis`` client (or cluster, or Sentinel-managed)."""
+
+    def __init__(
+        self, client: Any, *, also_close: tuple[Any, ...] = (), batching: bool = True
+    ) -> None:
+        self.client = client
+        self._also_close = also_close  # the connections to the sentinels, if any
+        self._checked_eviction = False
+        self._cluster = isinstance(client, redis.asyncio.cluster.RedisCluster)
+        # redis-py's asyncio cluster client breaks when many first calls race to discover the
+        # cluster; the first call discovers it alone.
+        self._ready = not self._cluster
+        self._ready_lock = asyncio.Lock()
+        self._watch = master_watch(client)
+        # Batches to a plain server keep their connections instead of checking them in and out
+        # of the pool each time (a lock, a readiness poll, a deprecation wrapper): at most one
+        # per lane. Sentinel-managed and TLS pools are left alone (see ``_blocking``).
+        self._keep = not self._cluster and can_keep_async(client)
+        self._kept: list[Any] = []
+        self._kept_loop: asyncio.AbstractEventLoop | None = None
+        self._batcher: Batcher | None = None
+        if batching:
+            send = self._send_cluster if self._cluster else self._send_single
+            self._batcher = Batcher(send, lanes=BATCH_LANES)
+
+    @classmethod
+    def from_url(cls, url: str, *, batching: bool = True, **options: Any) -> AsyncRedisStorage:
+        check_versions()
+        client, also_close = async_client(plan(url, options))
+        return cls(client, also_close=also_close, batching=batching)
+
+    async def run(
+        self, script: Script, keys: tuple[str, ...], args: tuple[int | str, ...]
+    ) -> list[int]:
+        if not self._ready:
+            await self._discover()
+        if self._watch is not None and self._watch.due():
+            await self._watch.acheck()
+        if self._batcher is not None:
+            reply: list[int] = await self._batcher.submit(script, keys, args)
+        else:
+            exchange = Exchange(script, keys, args)
+            if self._cluster:
+                await arun_command_path(self.client, exchange)
+            else:
+                await self._drive([exchange], keep=False)
+            reply = exchange.outcome()
+        if not self._checked_eviction:
+            await self._check_eviction()
+        return reply
+
+    # --- one server ------------------------------------------------------------------------
+
+    async def _send_single(self, batch: list[Pending]) -> None:
+        await self._drive([call.exchange for call in batch], keep=self._keep)
+
+    async def _drive(self, exchanges: list[Exchange], *, keep: bool) -> None:
+        connection = None
+        if keep:
+            loop = asyncio.get_running_loop()
+            if self._kept_loop is not loop:  # connections belong to the loop that opened them
+                await self._give_back()
+                self._kept_loop = loop
+            if self._kept:
+                connection = self._kept.pop()
+        kept = connection is not None
+        if connection is None:
+            try:
+                connection = await aget_connection(self.client.connection_pool)
+            except CLIENT_ERRORS as exc:
+                for exchange in exchanges:
+                    exchange.unsent(exc, broke=False)
+                return
+        try:
+            # A pooled connection was checked by the pool as it was handed out.
+            await run_pipeline(connection, exchanges, check_idle=kept, reroute=False)
+        finally:
+            if keep:
+                self._kept.append(connection)
+            else:
+                await self.client.connection_pool.release(connection)
+
+    async def _give_back(self) -> None:
+        kept, self._kept = self._kept, []
+        for connection in kept:
+            await self.client.connection_pool.release(connection)
+
+    # --- a cluster -------------------------------------------------------------------------
+
+    async def _discover(self) -> None:
+        """(Re)discover the cluster, one caller at a time."""
+        try:
+            await self._discover_raw()
+        except CLIENT_ERRORS as exc:
+            raise translate(exc) from exc
+
+    async def _discover_raw(self) -> None:
+        async with self._ready_lock:
+            if self.client._initialize:  # set until discovered, and again after a topology error
+                await self.client.initialize()
+            self._ready = True
+
+    async def _send_cluster(self, batch: list[Pending]) -> None:
+        """Group the calls by the node that serves their slot, one pipeline per node. Calls the
+        grouping cannot place, or that are redirected or would be sent again, go through
+        redis-py's cluster client one by one, which follows the cluster as it changes."""
+        client = self.client
+        if client._initialize:  # reset by redis-py after a topology error: discover again
+            try:
+                await self._discover_raw()
+            except CLIENT_ERRORS as exc:
+                for call in batch:
+                    call.exchange.unsent(exc, broke=False)
+                return
+        groups: dict[str, tuple[Any, list[Exchange]]] = {}
+        alone: list[Exchange] = []
+        for call in batch:
+            try:
+                node = client.get_node_from_key(call.exchange.key)
+            except CLIENT_ERRORS:
+                node = None
+            if node is None:
+                alone.append(call.exchange)
+            else:
+                groups.setdefault(node.name, (node, []))[1].append(call.exchange)
+        await asyncio.gather(
+            *(self._send_node(node, exchanges) for node, exchanges in groups.values()),
+            *(arun_command_path(client, exchange) for exchange in alone),
+        )
+
+    async def _send_node(self, node: Any, exchanges: list[Exchange]) -> None:
+        try:
+            connection = node.acquire_connection()
+        except CLIENT_ERRORS:  # the node's connections are all busy
+            rerouted = exchanges
+        else:
+            check_idle = not isinstance(connection, redis.asyncio.SSLConnection)
+            try:
+                rerouted = await run_pipeline(
+                    connection, exchanges, check_idle=check_idle, reroute=True
+                )
+            finally:
+                if self.client.nodes_manager.nodes_cache.get(node.name) is node:
+                    release_node_connection(node, connection)
+                else:  # redis-py replaced the node meanwhile; nothing would close this one
+                    await connection.disconnect()
+        await asyncio.gather(*(arun_command_path(self.client, ex) for ex in rerouted))
+
+    # --- the rest --------------------------------------------------------------------------
+
+    async def _check_eviction(self) -> None:
+        self._checked_eviction = True
+        try:
+            if self._kept and self._kept_loop is asyncio.get_running_loop():
+                info: Any = await self._info_on_kept()  # not a second connection from the pool
+            else:
+                info = await self.client.info("memory")
+        except (*CLIENT_ERRORS, StorageError):  # INFO may be forbidden on a managed server
+            return
+        log_eviction_warning(info)
+
+    async def _info_on_kept(self) -> dict[str, str]:
+        connection = self._kept.pop()
+        try:
+            await connection.send_command("INFO", "memory")
+            return parse_info(await connection.read_response())
+        except BaseException:
+            await connection.disconnect()  # its reply may still be on the way
+            raise
+        finally:
+            self._kept.append(connection)
+
+    async def delete(self, keys: tuple[str, ...]) -> None:
+        if not self._ready:
+            await self._discover()
+        try:
+            await self.client.delete(*keys)
+        except CLIENT_ERRORS as exc:
+            raise translate(exc) from exc
+
+    async def close(self) -> None:
+        await self._give_back()
+        await self.client.aclose()
+        for other in self._also_close:
+            await other.aclose()

@@ -1,0 +1,93 @@
+"""Error translation: every redis-py error and error reply, mapped once onto ratekeeper's tree.
+
+Only a failed store reaches a failure mode (``StorageError``): no reply in time, a connection
+that could not be made or broke, and error replies about the store's own state (it is full,
+read-only, loading, busy, resharding). An error reply about the request (CROSSSLOT, WRONGTYPE, a
+script error) and an error of the client library about our own call are ``RequestRejected``:
+raised whatever the failure mode, never turned into an allowed request. Any other exception (a
+``TypeError``, an ``AttributeError`` after a redis-py upgrade, a bug of ours) is not translated
+at all: it reaches the caller as it is.
+
+redis-py internals: none; its public exception classes only (the same in every supported
+version, see ``_compat``).
+"""
+
+from __future__ import annotations
+
+import redis
+from redis.exceptions import (
+    AskError,
+    ClusterDownError,
+    NoScriptError,
+    OutOfMemoryError,
+    ReadOnlyError,
+    RedisClusterException,
+    TryAgainError,
+)
+
+from ..._errors import (
+    RequestRejected,
+    StorageError,
+    StorageResponseError,
+    StorageTimeout,
+    StorageUnavailable,
+)
+
+__all__ = ["CLIENT_ERRORS", "REROUTE", "translate"]
+
+#: Exceptions of the store's client library. Transports catch these (and socket errors, which
+#: they turn into redis-py's own) and nothing else.
+CLIENT_ERRORS = (redis.RedisError, RedisClusterException)
+
+#: Error replies about the store's state, by the code that starts their message. redis-py strips
+#: the code from the message of the replies it has a class for, so those are told by class.
+_STORE_STATE_CODES = (
+    "OOM",
+    "READONLY",
+    "LOADING",
+    "BUSY",
+    "MASTERDOWN",
+    "CLUSTERDOWN",
+    "TRYAGAIN",
+    "MOVED",
+    "ASK",
+    "NOREPLICAS",
+    "NOSCRIPT",
+)
+_STORE_STATE_CLASSES = (
+    OutOfMemoryError,
+    ReadOnlyError,
+    NoScriptError,
+    ClusterDownError,  # and MasterDownError
+    TryAgainError,
+    AskError,  # and MovedError
+)
+
+#: Error replies after which a call in a cluster batch goes through redis-py's cluster client,
+#: which follows redirections and refreshes its slot table. None of them ran the script.
+REROUTE = (AskError, ClusterDownError, TryAgainError)
+
+
+def translate(exc: Exception) -> StorageError | RequestRejected:
+    """``exc`` (a redis-py error, raised or returned as an error reply) in ratekeeper's tree,
+    with ``exc`` as its ``__cause__`` (also when it is handed to a waiting caller instead of
+    being raised here)."""
+    error: StorageError | RequestRejected
+    if isinstance(exc, redis.TimeoutError):
+        error = StorageTimeout(f"the store did not answer in time: {exc}")
+    elif isinstance(exc, (redis.ConnectionError, RedisClusterException)):
+        # RedisClusterException: no reachable node, or a slot no node serves.
+        error = StorageUnavailable(f"cannot reach the store: {exc}")
+    elif isinstance(exc, redis.ResponseError):
+        if isinstance(exc, _STORE_STATE_CLASSES) or str(exc).startswith(_STORE_STATE_CODES):
+            error = StorageResponseError(f"the store cannot serve the command: {exc}")
+        else:
+            error = RequestRejected(f"the store rejected the request: {exc}")
+    elif isinstance(exc, redis.exceptions.InvalidResponse):
+        # Not RESP: a proxy in the way, or a connection out of step. The store is unusable.
+        error = StorageUnavailable(f"the store's reply could not be read: {exc}")
+    else:
+        # DataError and the like: redis-py refused our own call before sending it.
+        error = RequestRejected(f"the store client refused the request: {exc!r}")
+    error.__cause__ = exc
+    return error

@@ -1,0 +1,150 @@
+"""Running one script call on a server, written once and without I/O.
+
+An ``Exchange`` is one call's conversation with the store. It says what to send
+(``exchange.command``), and each transport tells it what happened; it answers with what to do
+next (``SEND``, ``RECONNECT`` or ``DONE``). Every transport drives it the same way: the blocking
+path (``_blocking``), the asyncio pipeline (``_pipeline``, a batch of exchanges per round trip,
+also per cluster node) and redis-py's command path (``_command``). A transport only moves
+bytes; the rule lives here:
+
+- ``EVALSHA`` first. On NOSCRIPT (a restart, ``SCRIPT FLUSH``, a failover to a replica with a
+  cold cache): ``SCRIPT LOAD``, then ``EVALSHA`` again; on a second NOSCRIPT (flushed once more
+  in between) ``EVAL`` with the source, which cannot meet NOSCRIPT. At most four commands.
+- A connection that broke before the request could reach the server (the server had closed
+  it before the write; the write failed): reconnect and send once more, once per call. A
+  connection that could not be made is not tried again: the store is down, and the failure
+  mode decides at once.
+- No reply in time, or a connection that broke after the write: the script may have run, so
+  the call is never sent again. ``StorageTimeout`` / ``StorageUnavailable``.
+- Every reply and client error is classified once, by ``_errors.translate``: a result,
+  a ``StorageError`` (the failure mode applies) or ``RequestRejected`` (raised).
+
+Transports report only client-library errors here. Anything else raised while they run (a
+``TypeError``, a bug) is not the store failing: it propagates to the caller untouched.
+
+redis-py internals: none. Error replies arrive as the exception objects redis-py's parser
+builds (``NoScriptError``, ``ResponseError``, ...), returned rather than raised.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+from typing import Any
+
+from redis.exceptions import NoScriptError, ResponseError
+
+from ..._errors import RequestRejected, StorageError
+from ..._scripts import Script
+from ._errors import translate
+
+__all__ = ["DONE", "RECONNECT", "SEND", "Exchange"]
+
+#: What the transport does next: send ``exchange.command`` on the same connection; disconnect,
+#: connect again and send it; or nothing (``result`` or ``error`` is final).
+SEND = 0
+RECONNECT = 1
+DONE = 2
+
+# Stages: the command in flight.
+_EVALSHA = 0
+_LOAD = 1
+_RETRY = 2  # EVALSHA after a load
+_EVAL = 3
+
+
+@cache
+def _load_command(script: Script) -> tuple[str, str, bytes]:
+    """``SCRIPT LOAD`` of ``script``: one tuple per script, so a batch can send it once for
+    every call that needs it."""
+    return ("SCRIPT", "LOAD", script.source)
+
+
+class Exchange:
+    """One script call: what to send next, and what each answer means."""
+
+    __slots__ = (
+        "_call",
+        "_reconnected",
+        "_stage",
+        "command",
+        "done",
+        "error",
+        "key",
+        "result",
+        "script",
+    )
+
+    def __init__(self, script: Script, keys: tuple[str, ...], args: tuple[int | str, ...]) -> None:
+        self.script = script
+        self.key = keys[0]  # every key of a call shares one hash tag: this one places it
+        self._call: tuple[Any, ...] = ("EVALSHA", script.sha, len(keys), *keys, *args)
+        #: The command to send now.
+        self.command: tuple[Any, ...] = self._call
+        #: The script's reply, once DONE without an error.
+        self.result: Any = None
+        #: The error the caller gets, once DONE with one.
+        self.error: StorageError | RequestRejected | None = None
+        #: Whether ``result`` or ``error`` is final.
+        self.done = False
+        self._stage = _EVALSHA
+        self._reconnected = False
+
+    @property
+    def loading(self) -> bool:
+        """Whether ``command`` is the script's ``SCRIPT LOAD``, the same for every call of the
+        script (a batch sends it once and feeds the reply to each)."""
+        return self._stage == _LOAD
+
+    def replied(self, reply: Any) -> int:
+        """The server answered ``command`` with ``reply`` (an error reply as an exception)."""
+        if not isinstance(reply, Exception):
+            if self._stage == _LOAD:
+                self._stage = _RETRY
+                self.command = self._call
+                return SEND
+            self.result = reply
+            self.done = True
+            return DONE
+        if isinstance(reply, NoScriptError) and self._stage in (_EVALSHA, _RETRY):
+            if self._stage == _EVALSHA:
+                self._stage = _LOAD
+                self.command = _load_command(self.script)
+            else:  # flushed again between the load and the call
+                self._stage = _EVAL
+                self.command = ("EVAL", self.script.source, *self._call[2:])
+            return SEND
+        return self._fail(reply)
+
+    def unsent(self, exc: Exception, *, broke: bool) -> int:
+        """``command`` did not reach the server: the connection ``broke`` (closed by the server
+        before the write, or the write failed), or could not be made at all."""
+        if broke and not self._reconnected:
+            self._reconnected = True
+            return RECONNECT
+        return self._fail(exc)
+
+    def lost(self, exc: Exception) -> int:
+        """The connection broke after ``command`` was written: it may have run."""
+        return self._fail(exc)
+
+    def timed_out(self, exc: Exception) -> int:
+        """No reply in time: ``command`` may have run."""
+        return self._fail(exc)
+
+    def raised(self, exc: Exception) -> int:
+        """A client-library call that sends and reads in one (redis-py's command path) raised
+        ``exc``: an error reply goes on as one; anything else may have run and is final."""
+        if isinstance(exc, ResponseError):
+            return self.replied(exc)
+        return self._fail(exc)
+
+    def _fail(self, exc: Exception) -> int:
+        self.error = translate(exc)
+        self.done = True
+        return DONE
+
+    def outcome(self) -> Any:
+        """The script's reply; raises the call's error instead, if it has one."""
+        if self.error is not None:
+            raise self.error
+        return self.result

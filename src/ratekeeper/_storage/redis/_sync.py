@@ -1,0 +1,110 @@
+"""``RedisStorage``: the blocking storage on Redis or Valkey (one server, Sentinel or Cluster).
+
+It chooses the transport (``_blocking`` for one server, also the primary Sentinel names;
+redis-py's command path, ``_command``, for a cluster), follows Sentinel failovers
+(``_sentinel``) and checks the eviction policy once. Every script call is an ``Exchange``.
+
+redis-py internals: ``client.connection_pool``; the rest through the modules above.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from ..._errors import RequestRejected, StorageError
+from ..._scripts import Script
+from ._blocking import BlockingTransport, can_keep
+from ._command import run_command_path
+from ._compat import check_versions
+from ._config import plan, sync_client
+from ._errors import CLIENT_ERRORS, translate
+from ._eviction import log_eviction_warning, parse_info
+from ._exchange import Exchange
+from ._sentinel import master_watch
+
+__all__ = ["RedisStorage"]
+
+
+class RedisStorage:
+    """Runs scripts on a ``redis.Redis`` (or cluster, or Sentinel-managed) client.
+
+    ``connect`` builds the client on first use instead (see ``_config.sync_client``).
+    """
+
+    def __init__(
+        self,
+        client: Any = None,
+        *,
+        connect: Callable[[], Any] | None = None,
+        also_close: tuple[Any, ...] = (),
+    ) -> None:
+        if client is None and connect is None:
+            raise ValueError("RedisStorage needs a client or a way to connect")
+        self._client = client
+        self._connect = connect
+        self._also_close = also_close  # the connections to the sentinels, if any
+        self._checked_eviction = False
+        self._watch = master_watch(client)
+        # One server (also the primary Sentinel names) takes the blocking transport; a cluster
+        # (built on first use, so client is None here) redis-py's command path.
+        self._transport = (
+            None
+            if client is None
+            else BlockingTransport(client.connection_pool, keep=can_keep(client))
+        )
+
+    @classmethod
+    def from_url(cls, url: str, **options: Any) -> RedisStorage:
+        check_versions()
+        client, connect, also_close = sync_client(plan(url, options))
+        return cls(client, connect=connect, also_close=also_close)
+
+    @property
+    def client(self) -> Any:
+        """The redis-py client, built on first use if need be."""
+        if self._client is None:
+            assert self._connect is not None
+            try:
+                self._client = self._connect()
+            except CLIENT_ERRORS as exc:
+                raise translate(exc) from exc
+        return self._client
+
+    def run(self, script: Script, keys: tuple[str, ...], args: tuple[int | str, ...]) -> list[int]:
+        if self._transport is not None:
+            if self._watch is not None and self._watch.due():
+                self._watch.check()
+            reply = self._transport.run(script, keys, args)
+        else:
+            exchange = Exchange(script, keys, args)
+            run_command_path(self.client, exchange)
+            reply = exchange.outcome()
+        if not self._checked_eviction:
+            self._check_eviction()
+        return reply  # type: ignore[no-any-return]
+
+    def _check_eviction(self) -> None:
+        self._checked_eviction = True
+        try:
+            if self._transport is not None:  # on its own connection, not a second one
+                info: Any = parse_info(self._transport.execute("INFO", "memory"))
+            else:
+                info = self.client.info("memory")  # a dict; redis-py types vary by version
+        except (*CLIENT_ERRORS, StorageError, RequestRejected):  # INFO may be forbidden
+            return
+        log_eviction_warning(info)
+
+    def delete(self, keys: tuple[str, ...]) -> None:
+        try:
+            self.client.delete(*keys)
+        except CLIENT_ERRORS as exc:
+            raise translate(exc) from exc
+
+    def close(self) -> None:
+        if self._transport is not None:
+            self._transport.close()
+        if self._client is not None:
+            self._client.close()
+        for other in self._also_close:
+            other.close()
