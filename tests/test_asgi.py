@@ -131,19 +131,208 @@ def test_identities_are_independent():
     assert out["2001:db8::2"] == [429, 429, 429]
 
 
-def test_a_request_without_identity_is_not_limited():
+def test_a_request_without_identity_is_limited_by_its_address_by_default(
+    backend: str, key_prefix: str
+):
+    """``header()`` without a fallback finds no identity when the header is left out; the
+    request is limited by the peer's address, in a budget of its own."""
+    policy = Policy("anon", "2/minute")
+
+    async def main() -> tuple[list[Any], list[Any], list[Decision]]:
+        async with AsyncLimiter.from_url(backend, **exact_options(backend, key_prefix)) as limiter:
+            app = raw_app(limiter, policy=policy, key=header("x-api-key"))
+            async with asgi_client(app) as http:
+                anonymous = [await http.get("/") for _ in range(4)]
+                keyed = [await http.get("/", headers={"X-API-Key": "k"}) for _ in range(3)]
+            async with asgi_client(app, client=("203.0.113.8", 1)) as http:
+                elsewhere = [await http.get("/") for _ in range(3)]
+            probes = [
+                await limiter.peek(policy, f"anonymous:ip:{PEER}"),
+                await limiter.peek(policy, f"ip:{PEER}"),
+            ]
+            return anonymous + keyed, elsewhere, probes
+
+    responses, elsewhere, (fallback, by_ip) = asyncio.run(main())
+    assert [r.status_code for r in responses] == [200, 200, 429, 429, 200, 200, 429]
+    assert responses[0].headers["ratelimit"] == '"anon";r=1;t=60'
+    assert responses[2].json()["status"] == 429
+    assert [r.status_code for r in elsewhere] == [200, 200, 429]
+    assert not fallback.allowed  # the anonymous budget is spent...
+    assert by_ip.remaining == 2  # ...and is not the one client_ip() would give the peer
+
+
+def test_a_key_function_returning_none_follows_missing_identity():
+    async def main() -> dict[str, list[int]]:
+        async with AsyncLimiter.from_url("memory://") as limiter:
+            out = {}
+            for choice in ("client_ip", "reject", "allow"):
+                app = raw_app(
+                    limiter,
+                    policy=Policy(f"none-{choice}", "1/minute"),
+                    key=lambda request: None,
+                    missing_identity=choice,
+                )
+                async with asgi_client(app) as http:
+                    out[choice] = [(await http.get("/")).status_code for _ in range(3)]
+            return out
+
+    assert asyncio.run(main()) == {
+        "client_ip": [200, 429, 429],
+        "reject": [400, 400, 400],
+        "allow": [200, 200, 200],
+    }
+
+
+def starlette_counting_app(limiter: AsyncLimiter, runs: list[str], **middleware: Any) -> Starlette:
+    async def items(request: StarletteRequest) -> JSONResponse:
+        runs.append(request.url.path)
+        return JSONResponse({"items": [1, 2, 3]})
+
+    app = Starlette(routes=[Route("/items", items)])
+    app.add_middleware(RateLimitMiddleware, limiter=limiter, **middleware)
+    return app
+
+
+def test_missing_identity_reject_answers_400_with_problem_json():
+    runs: list[str] = []
+
+    async def main() -> tuple[list[Any], list[Any]]:
+        async with AsyncLimiter.from_url("memory://") as limiter:
+            app = starlette_counting_app(
+                limiter,
+                runs,
+                policy=Policy("strict", "2/minute"),
+                key=header("x-api-key"),
+                missing_identity="reject",
+            )
+            async with asgi_client(app) as http:
+                anonymous = [await http.get("/items") for _ in range(3)]
+                keyed = [await http.get("/items", headers={"X-API-Key": "k"}) for _ in range(3)]
+            return anonymous, keyed
+
+    anonymous, keyed = asyncio.run(main())
+    assert [r.status_code for r in anonymous] == [400, 400, 400]
+    for r in anonymous:
+        assert r.headers["content-type"] == "application/problem+json"
+        assert r.headers["content-length"] == str(len(r.content))
+        assert r.json() == {
+            "type": "about:blank",
+            "title": "Bad Request",
+            "status": 400,
+            "detail": "The request carries no client identity, which this endpoint requires.",
+        }
+        assert "ratelimit" not in r.headers
+        assert "retry-after" not in r.headers
+    assert [r.status_code for r in keyed] == [200, 200, 429]
+    assert runs == ["/items", "/items"]  # a rejected request never reaches the app
+
+
+def test_missing_identity_allow_passes_unlimited():
+    runs: list[str] = []
+
     async def main() -> list[Any]:
         async with AsyncLimiter.from_url("memory://") as limiter:
-            app = raw_app(limiter, policy=Policy("anon", "1/minute"), key=header("x-api-key"))
+            app = starlette_counting_app(
+                limiter,
+                runs,
+                policy=Policy("open-anon", "1/minute"),
+                key=header("x-api-key"),
+                missing_identity="allow",
+            )
             async with asgi_client(app) as http:
-                anonymous = [await http.get("/") for _ in range(3)]
-                keyed = [await http.get("/", headers={"X-API-Key": "k"}) for _ in range(2)]
+                anonymous = [await http.get("/items") for _ in range(5)]
+                keyed = [await http.get("/items", headers={"X-API-Key": "k"}) for _ in range(2)]
             return anonymous + keyed
 
     responses = asyncio.run(main())
-    assert [r.status_code for r in responses] == [200, 200, 200, 200, 429]
-    assert all("ratelimit" not in r.headers for r in responses[:3])
-    assert ratelimit_name(responses[3]) == "anon"
+    assert [r.status_code for r in responses] == [200] * 5 + [200, 429]
+    assert all("ratelimit" not in r.headers for r in responses[:5])
+    assert len(runs) == 6
+
+
+def test_shadow_mode_never_rejects_a_missing_identity():
+    async def main() -> list[Any]:
+        async with AsyncLimiter.from_url("memory://") as limiter:
+            app = raw_app(
+                limiter,
+                rules=[Rule("/trial", Policy("trial", "1/minute"), shadow=True)],
+                policy=Policy("enforced", "5/minute"),
+                key=header("x-api-key"),
+                missing_identity="reject",
+            )
+            async with asgi_client(app) as http:
+                return [await http.get("/trial") for _ in range(3)] + [await http.get("/")]
+
+    responses = asyncio.run(main())
+    assert [r.status_code for r in responses] == [200, 200, 200, 400]
+    assert all(r.json() == {"path": "/trial"} for r in responses[:3])
+
+
+def test_a_peer_without_an_address_is_limited_in_one_shared_budget():
+    """Starlette's TestClient calls itself ``testclient``; a Unix socket has no peer at all."""
+
+    async def main() -> list[int]:
+        async with AsyncLimiter.from_url("memory://") as limiter:
+            app = raw_app(limiter, policy=Policy("no-address", "2/minute"))
+            statuses = []
+            for peer in ("testclient", "unix:/run/app.sock", "testclient"):
+                async with asgi_client(app, client=(peer, 0)) as http:
+                    statuses.append((await http.get("/")).status_code)
+            scope = {
+                "type": "http",
+                "method": "GET",
+                "path": "/",
+                "headers": [],
+                "client": None,
+            }
+            sent: list[dict[str, Any]] = []
+
+            async def receive() -> dict[str, Any]:
+                return {"type": "http.request", "body": b"", "more_body": False}
+
+            async def send(message: Any) -> None:
+                sent.append(dict(message))
+
+            await app(scope, receive, send)
+            statuses.append(sent[0]["status"])
+            return statuses
+
+    assert asyncio.run(main()) == [200, 200, 429, 429]
+
+
+def test_a_rejected_websocket_handshake_is_closed():
+    async def main() -> list[list[dict[str, Any]]]:
+        async with AsyncLimiter.from_url("memory://") as limiter:
+            app = raw_app(
+                limiter,
+                policy=Policy("ws-anon", "5/minute"),
+                key=header("x-api-key"),
+                missing_identity="reject",
+            )
+            return [
+                await websocket_handshake(app, websocket_scope()),
+                await websocket_handshake(app, websocket_scope(x_api_key="k")),
+            ]
+
+    anonymous, keyed = asyncio.run(main())
+    assert anonymous == [{"type": "websocket.close", "code": 1008}]
+    assert keyed[0]["type"] == "websocket.accept"
+
+
+@pytest.mark.parametrize("choice", ["deny", "ip", "", None, "CLIENT_IP"])
+def test_a_bad_missing_identity_is_a_config_error(choice: Any):
+    async def main() -> None:
+        async with AsyncLimiter.from_url("memory://") as limiter:
+            policy = Policy("p", "1/minute")
+            message = r"missing_identity must be one of 'client_ip', 'reject', 'allow'"
+            with pytest.raises(ConfigError, match=message):
+                RateLimitMiddleware(
+                    plain_app, limiter=limiter, policy=policy, missing_identity=choice
+                )
+            with pytest.raises(ConfigError, match=message):
+                fastapi_dependency(limiter, policy, missing_identity=choice)
+
+    asyncio.run(main())
 
 
 def test_request_from_scope():
@@ -530,13 +719,16 @@ def test_fastapi_dependency(backend: str, key_prefix: str):
             async with asgi_client(app) as http:
                 hits = [await http.get("/search", headers={"X-API-Key": "a"}) for _ in range(3)]
                 other = [await http.get("/search", headers={"X-API-Key": "b"})]
-                anonymous = [await http.get("/search")]
+                anonymous = [await http.get("/search") for _ in range(3)]
                 free_ones = [await http.get("/free") for _ in range(3)]
             return hits + other + anonymous, free_ones
 
     responses, free_ones = asyncio.run(main())
-    assert [r.status_code for r in responses] == [200, 200, 429, 200, 400]
-    first, second, denied, other, _ = responses
+    # Without the header: limited by the peer's address, like the middleware does.
+    assert [r.status_code for r in responses] == [200, 200, 429, 200, 200, 200, 429]
+    first, second, denied, other, *anonymous = responses
+    assert anonymous[0].json() == {"remaining": 1}
+    assert anonymous[0].headers["ratelimit"] == '"search";r=1;t=60'
     assert first.json() == {"remaining": 1}
     assert second.json() == {"remaining": 0}
     assert first.headers["ratelimit-policy"] == '"search";q=2;w=60'
@@ -570,3 +762,43 @@ def test_fastapi_dependency_with_legacy_headers_and_cost():
     assert responses[0].json() == {"status": "done"}
     assert json.loads(responses[2].text)["detail"]
     assert responses[2].headers["x-ratelimit-limit"] == "5"
+
+
+@pytest.mark.parametrize(
+    ("choice", "expected"),
+    [("client_ip", [200, 200, 429]), ("reject", [400, 400, 400]), ("allow", [200, 200, 200])],
+)
+def test_fastapi_dependency_missing_identity(choice: str, expected: list[int]):
+    decisions: list[Decision | None] = []
+
+    async def main() -> list[Any]:
+        async with AsyncLimiter.from_url("memory://") as limiter:
+            limited = fastapi_dependency(
+                limiter,
+                Policy("dep-anon", "2/minute"),
+                key=header("x-api-key"),
+                missing_identity=choice,  # type: ignore[arg-type]
+            )
+            app = FastAPI()
+
+            @app.get("/search")
+            async def run_search(decision: Decision | None = Depends(limited)) -> dict[str, Any]:  # noqa: B008
+                decisions.append(decision)
+                return {"limited": decision is not None}
+
+            async with asgi_client(app) as http:
+                return [await http.get("/search") for _ in range(3)]
+
+    responses = asyncio.run(main())
+    assert [r.status_code for r in responses] == expected
+    if choice == "reject":
+        assert decisions == []
+        assert responses[0].json() == {
+            "detail": "The request carries no client identity, which this endpoint requires."
+        }
+    elif choice == "allow":
+        assert decisions == [None, None, None]
+        assert all("ratelimit" not in r.headers for r in responses)
+    else:
+        assert [d.remaining for d in decisions if d is not None] == [1, 0]
+        assert responses[2].headers["ratelimit"] == '"dep-anon";r=0;t=60'

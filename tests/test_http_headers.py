@@ -28,11 +28,15 @@ from ratekeeper import (
     wsgi,
 )
 from ratekeeper._http import (
+    Limiting,
+    Outcome,
     Request,
+    Route,
     Rule,
     make_rules,
     match_rule,
     merge_headers,
+    missing_identity_response,
     problem_body,
     rate_limit_headers,
     response_headers,
@@ -177,6 +181,87 @@ def test_methods_are_matched_case_insensitively_as_declared():
     assert names([rule], "GET", "/api/x") is None
 
 
+def test_a_get_rule_matches_head_as_frameworks_route_it():
+    get = Rule("/search*", API, methods={"get"})
+    assert get.methods == frozenset({"GET"})  # kept as declared
+    assert names([get], "GET", "/search") == "api"
+    assert names([get], "HEAD", "/search") == "api"
+    for method in ("POST", "PUT", "DELETE", "OPTIONS", "PATCH"):
+        assert names([get], method, "/search") is None
+    head = Rule("/x", API, methods={"HEAD"})
+    assert names([head], "HEAD", "/x") == "api"
+    assert names([head], "GET", "/x") is None
+    assert names([Rule("/x", API, methods={"OPTIONS"})], "OPTIONS", "/x") == "api"
+
+
+def route_of(limiting: Limiting, method: str, **headers: str) -> str | None:
+    """The policy a request is charged to, ``"reject"``, or None when it is not charged."""
+    found = limiting.route(
+        Request(method, "/api/x", {k.replace("_", "-"): v for k, v in headers.items()}, PEER)
+    )
+    if found is None:
+        return None
+    if isinstance(found, Outcome):
+        assert found.response is not None
+        return "reject" if found.response[0] == 400 else "?"
+    return found.policy.name
+
+
+PREFLIGHT = {"origin": "https://a.example", "access_control_request_method": "PUT"}
+
+
+def test_preflights_are_exempt_unless_the_rule_names_options_or_preflight_is_charge():
+    plain = Limiting(policy=DEFAULT)
+    assert route_of(plain, "OPTIONS", **PREFLIGHT) is None
+    assert route_of(plain, "OPTIONS") == "default"  # no preflight: charged
+    assert route_of(plain, "OPTIONS", origin="https://a.example") == "default"
+    assert route_of(plain, "GET", **PREFLIGHT) == "default"  # only OPTIONS can be one
+    charge = Limiting(policy=DEFAULT, preflight="charge")
+    assert route_of(charge, "OPTIONS", **PREFLIGHT) == "default"
+    named = Limiting(rules=[Rule("/api/*", API, methods={"options", "PUT"})], policy=DEFAULT)
+    assert route_of(named, "OPTIONS", **PREFLIGHT) == "api"
+    # A GET rule does not match OPTIONS; the default then exempts the preflight.
+    get = Limiting(rules=[Rule("/api/*", API, methods={"GET"})], policy=DEFAULT)
+    assert route_of(get, "OPTIONS", **PREFLIGHT) is None
+
+
+def test_a_missing_identity_is_routed_by_the_option():
+    def nobody(request: Request) -> str | None:
+        return None
+
+    assert route_of(Limiting(policy=DEFAULT, key=nobody), "GET") == "default"
+    fallback = Limiting(policy=DEFAULT, key=nobody).route(Request("GET", "/", {}, PEER))
+    assert isinstance(fallback, Route)
+    assert fallback.identity == f"anonymous:ip:{PEER}"
+    assert route_of(Limiting(policy=DEFAULT, key=nobody, missing_identity="reject"), "GET") == (
+        "reject"
+    )
+    assert route_of(Limiting(policy=DEFAULT, key=nobody, missing_identity="allow"), "GET") is None
+    shadow = Limiting(policy=DEFAULT, key=nobody, missing_identity="reject", shadow=True)
+    assert route_of(shadow, "GET") is None
+    # With an identity, the option changes nothing.
+    for choice in ("client_ip", "reject", "allow"):
+        keyed = Limiting(policy=DEFAULT, missing_identity=choice)  # type: ignore[arg-type]
+        found = keyed.route(Request("GET", "/", {}, PEER))
+        assert isinstance(found, Route)
+        assert found.identity == f"ip:{PEER}"
+
+
+def test_the_rejection_is_problem_json():
+    status, headers, body = missing_identity_response()
+    assert status == 400
+    assert headers == [
+        ("Content-Type", "application/problem+json"),
+        ("Content-Length", str(len(body))),
+    ]
+    assert json.loads(body) == {
+        "type": "about:blank",
+        "title": "Bad Request",
+        "status": 400,
+        "detail": "The request carries no client identity, which this endpoint requires.",
+    }
+
+
 def test_first_match_wins_exemptions_first_default_last():
     rules = make_rules(
         DEFAULT,
@@ -206,6 +291,12 @@ def test_without_a_default_unmatched_paths_are_not_limited():
         lambda: Rule("/x", "api"),  # type: ignore[arg-type]
         lambda: Rule("/x", API, cost=0),
         lambda: Rule("/x", API, cost=True),
+        lambda: Rule("/x", API, methods="GET"),  # type: ignore[arg-type]
+        lambda: Rule("/x", API, methods=set()),
+        lambda: Rule("/x", API, methods={""}),
+        lambda: Rule("/x", API, methods={"GET", 1}),  # type: ignore[arg-type]
+        lambda: Limiting(policy=API, missing_identity="deny"),  # type: ignore[arg-type]
+        lambda: Limiting(policy=API, preflight=False),  # type: ignore[arg-type]
     ],
 )
 def test_bad_rules_are_config_errors(build: Callable[[], Any]):

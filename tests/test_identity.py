@@ -19,6 +19,8 @@ from starlette.routing import Route
 
 from ratekeeper import AsyncLimiter, ConfigError, Policy
 from ratekeeper import identity as identity_module
+from ratekeeper._http import Limiting, anonymous_identity
+from ratekeeper._http import Route as Charged
 from ratekeeper.asgi import RateLimitMiddleware
 from ratekeeper.identity import Request, client_ip, first, header
 
@@ -352,6 +354,30 @@ def test_first_takes_the_first_identity_found():
     assert first(user)(request()) is None
     with pytest.raises(ConfigError):
         first()
+
+
+# --- a missing identity ------------------------------------------------------------------------
+
+
+def test_the_fallback_identity_is_the_address_under_its_own_prefix():
+    limiting = Limiting(policy=Policy("p", "1/minute"), key=header("x-api-key"))
+    route = limiting.route(request("203.0.113.7"))
+    assert isinstance(route, Charged)
+    assert route.identity == "anonymous:ip:203.0.113.7"
+    assert anonymous_identity(client_ip()(request("2001:db8::1"))) == "anonymous:ip:2001:db8::/64"
+    assert anonymous_identity(None) == "anonymous:no-address"
+    # The peer, not a forwarding header a client could pick.
+    lying = limiting.route(request("203.0.113.7", x_forwarded_for="198.51.100.1"))
+    assert isinstance(lying, Charged)
+    assert lying.identity == route.identity
+
+
+@pytest.mark.parametrize("value", ["203.0.113.7", "ip:203.0.113.7", "anonymous:ip:203.0.113.7"])
+@pytest.mark.parametrize("name", ["x-api-key", "anonymous", "ip", "anonymous:ip"])
+def test_no_header_value_collides_with_the_fallback_identity(name: str, value: str):
+    fallback = anonymous_identity(client_ip()(request("203.0.113.7")))
+    assert header(name)(request(**{name.replace("-", "_"): value})) != fallback
+    assert fallback != client_ip()(request("203.0.113.7"))
 
 
 # --- spoofing, through the middleware ------------------------------------------------------------

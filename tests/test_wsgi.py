@@ -160,6 +160,42 @@ def test_rules_exemptions_and_keys_under_wsgi():
     assert not any("ratelimit" in n.lower() for r in health for n, _ in r.headers)
 
 
+def test_a_missing_identity_under_wsgi(backend: str, key_prefix: str):
+    """``header()`` without a fallback: limited by the peer by default, 400 when rejected,
+    unlimited only when explicitly allowed."""
+    apps: dict[str, RateLimitMiddleware] = {}
+    out: dict[str, list[Called]] = {}
+    with Limiter.from_url(backend, **exact_options(backend, key_prefix)) as limiter:
+        for choice in ("client_ip", "reject", "allow"):
+            apps[choice] = RateLimitMiddleware(
+                wsgi_app,
+                limiter=limiter,
+                policy=Policy(f"wsgi-anon-{choice}", "2/minute"),
+                key=header("x-api-key"),
+                missing_identity=choice,  # type: ignore[arg-type]
+            )
+            out[choice] = [call(apps[choice]) for _ in range(3)]
+        elsewhere = [call(apps["client_ip"], REMOTE_ADDR="203.0.113.8").code for _ in range(3)]
+        keyed = [call(apps["allow"], HTTP_X_API_KEY="k").code for _ in range(3)]
+        fallback = limiter.peek(Policy("wsgi-anon-client_ip", "2/minute"), f"anonymous:ip:{PEER}")
+    assert [r.code for r in out["client_ip"]] == [200, 200, 429]
+    assert out["client_ip"][0].get("RateLimit") == '"wsgi-anon-client_ip";r=1;t=60'
+    assert not fallback.allowed
+    assert elsewhere == [200, 200, 429]  # another address, its own budget
+    # "allow" passes the anonymous ones unlimited; a keyed client still spends its own budget.
+    assert [r.code for r in out["allow"]] == [200, 200, 200]
+    assert all(r.get("RateLimit") is None for r in out["allow"])
+    assert keyed == [200, 200, 429]
+    rejected = out["reject"]
+    assert [r.status for r in rejected] == ["400 Bad Request"] * 3
+    for r in rejected:
+        assert r.get("Content-Type") == "application/problem+json"
+        assert r.get("Content-Length") == str(len(r.body))
+        assert json.loads(r.body)["detail"] == (
+            "The request carries no client identity, which this endpoint requires."
+        )
+
+
 def test_shadow_mode_under_wsgi():
     policy = Policy("wsgi-shadow", "2/minute")
     with Limiter.from_url("memory://") as limiter:
@@ -356,7 +392,7 @@ def test_flask_limit_decorator(backend: str, key_prefix: str):
     assert all(r.status_code == 200 and "RateLimit" not in r.headers for r in free_ones)
 
 
-def test_flask_limit_cost_legacy_and_no_identity():
+def test_flask_limit_cost_legacy_and_a_missing_identity():
     with Limiter.from_url("memory://") as limiter:
         app = flask.Flask("ratekeeper-decorator-2")
 
@@ -376,9 +412,54 @@ def test_flask_limit_cost_legacy_and_no_identity():
     assert [r.status_code for r in bulks] == [200, 200, 429]
     assert [r.headers["X-RateLimit-Remaining"] for r in bulks] == ["3", "1", "1"]
     assert bulks[2].headers["X-RateLimit-Limit"] == "5"
-    # No identity: not limited, no headers.
-    assert [r.status_code for r in anonymous] == [200, 200, 200]
-    assert all("RateLimit" not in r.headers for r in anonymous)
+    # No identity: limited by the peer's address.
+    assert [r.status_code for r in anonymous] == [200, 429, 429]
+    assert anonymous[0].headers["RateLimit"] == '"keyed";r=0;t=60'
+
+
+@pytest.mark.parametrize(
+    ("choice", "expected"),
+    [("client_ip", [200, 200, 429]), ("reject", [400, 400, 400]), ("allow", [200, 200, 200])],
+)
+def test_flask_limit_missing_identity(choice: str, expected: list[int]):
+    runs: list[str] = []
+    with Limiter.from_url("memory://") as limiter:
+        app = flask.Flask("ratekeeper-decorator-anon")
+
+        @app.get("/keyed")
+        @flask_limit(
+            limiter,
+            Policy("keyed-anon", "2/minute"),
+            key=header("x-api-key"),
+            missing_identity=choice,  # type: ignore[arg-type]
+        )
+        def keyed() -> Any:
+            runs.append("ran")
+            return "ok"
+
+        with app.test_client() as client:
+            anonymous = [client.get("/keyed") for _ in range(3)]
+            with_key = [client.get("/keyed", headers={"X-API-Key": "k"}) for _ in range(3)]
+    assert [r.status_code for r in anonymous] == expected
+    assert [r.status_code for r in with_key] == [200, 200, 429]
+    if choice == "reject":
+        assert anonymous[0].headers["Content-Type"] == "application/problem+json"
+        assert anonymous[0].json["status"] == 400
+        assert anonymous[0].json["title"] == "Bad Request"
+    if choice == "allow":
+        assert all("RateLimit" not in r.headers for r in anonymous)
+    assert len(runs) == expected.count(200) + 2
+
+
+@pytest.mark.parametrize("choice", ["deny", None, "Reject"])
+def test_a_bad_missing_identity_is_a_config_error_under_wsgi(choice: Any):
+    with Limiter.from_url("memory://") as limiter:
+        with pytest.raises(ConfigError, match="missing_identity must be one of"):
+            RateLimitMiddleware(
+                wsgi_app, limiter=limiter, policy=Policy("p", "1/minute"), missing_identity=choice
+            )
+        with pytest.raises(ConfigError, match="missing_identity must be one of"):
+            flask_limit(limiter, Policy("p", "1/minute"), missing_identity=choice)
 
 
 # --- a real wsgiref server -----------------------------------------------------------------------

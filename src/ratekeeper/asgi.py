@@ -25,9 +25,13 @@ from typing import Any
 from ._decision import Decision
 from ._errors import ConfigError
 from ._http import (
+    MISSING_IDENTITY_DETAIL,
     DeniedResponse,
     KeyFunc,
     Limiting,
+    MissingIdentity,
+    Outcome,
+    Preflight,
     Request,
     Rule,
     with_length,
@@ -76,10 +80,19 @@ class RateLimitMiddleware:
     * ``legacy_headers``: also send ``X-RateLimit-Limit/Remaining/Reset``.
     * ``denied``: builds the 429 response (status, headers, body) instead of the default
       problem+json.
+    * ``missing_identity``: what a request gets when the key function finds no identity (a
+      ``header()`` without ``fallback``, a key function returning None): ``"client_ip"`` (the
+      default) limits it by its socket peer's address, as ``anonymous:ip:<address>`` (one
+      shared ``anonymous:no-address`` when the peer is no address), a budget no real key
+      shares; ``"reject"`` answers 400 with problem+json (closes a websocket handshake);
+      ``"allow"`` passes it on unlimited.
+    * ``preflight``: ``"exempt"`` (the default) passes CORS preflights (OPTIONS with
+      ``Origin`` and ``Access-Control-Request-Method``) on uncharged, unless the matching rule
+      names "OPTIONS"; ``"charge"`` charges them like any other request.
 
-    Requests for which the key function finds no identity are not limited. Decisions the store
-    could not make (``decision.degraded``) get no RateLimit headers: their numbers would be made
-    up; a degraded denial (failure mode ``closed``) is still a 429.
+    Rule methods match as frameworks route them: a rule naming GET also charges HEAD. Decisions
+    the store could not make (``decision.degraded``) get no RateLimit headers: their numbers
+    would be made up; a degraded denial (failure mode ``closed``) is still a 429.
     """
 
     def __init__(
@@ -94,6 +107,8 @@ class RateLimitMiddleware:
         shadow: bool = False,
         legacy_headers: bool = False,
         denied: DeniedResponse | None = None,
+        missing_identity: MissingIdentity = "client_ip",
+        preflight: Preflight = "exempt",
     ) -> None:
         if not isinstance(limiter, AsyncLimiter):
             raise ConfigError(
@@ -110,6 +125,8 @@ class RateLimitMiddleware:
             shadow=shadow,
             legacy_headers=legacy_headers,
             denied=denied,
+            missing_identity=missing_identity,
+            preflight=preflight,
         )
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -122,9 +139,11 @@ class RateLimitMiddleware:
         if route is None:
             await self.app(scope, receive, send)
             return
-        rule, policy, identity = route
-        decision = await self.limiter.hit(policy, identity, rule.cost)
-        outcome = self.limiting.outcome(rule, decision, request)
+        if isinstance(route, Outcome):
+            outcome = route
+        else:
+            decision = await self.limiter.hit(route.policy, route.identity, route.rule.cost)
+            outcome = self.limiting.outcome(route.rule, decision, request)
         if outcome.blocked:
             if kind == "websocket":
                 # Refuse the handshake: close before accepting (the server answers 403).
@@ -167,7 +186,9 @@ def fastapi_dependency(
     key: KeyFunc | None = None,
     cost: int = 1,
     legacy_headers: bool = False,
-) -> Callable[..., Awaitable[Decision]]:
+    missing_identity: MissingIdentity = "client_ip",
+    preflight: Preflight = "exempt",
+) -> Callable[..., Awaitable[Decision | None]]:
     """A FastAPI dependency that limits one endpoint (``pip install fastapi``).
 
         limited = fastapi_dependency(limiter, Policy("search", "10/minute"))
@@ -175,8 +196,12 @@ def fastapi_dependency(
         @app.get("/search")
         async def search(decision: Decision = Depends(limited)): ...
 
-    Sets the RateLimit headers on the response, and raises ``HTTPException(429)`` with
-    ``Retry-After`` when the request is denied.
+    Charges every request its endpoint serves (HEAD too, under ``api_route(methods=["GET",
+    "HEAD"])``). Sets the RateLimit headers on the response, and raises ``HTTPException(429)``
+    with ``Retry-After`` when the request is denied. ``missing_identity`` and ``preflight`` are
+    those of :class:`RateLimitMiddleware`; ``"reject"`` raises ``HTTPException(400)``. Returns
+    the decision, or None for a request that was not charged (``missing_identity="allow"``, an
+    exempt CORS preflight).
     """
     from fastapi import HTTPException, Response
     from starlette.requests import Request as StarletteRequest
@@ -184,17 +209,21 @@ def fastapi_dependency(
     if not isinstance(limiter, AsyncLimiter):
         raise ConfigError("fastapi_dependency needs an AsyncLimiter")
     limiting = Limiting(
-        rules=[Rule("*", policy, key=key, cost=cost)], legacy_headers=legacy_headers
+        rules=[Rule("*", policy, key=key, cost=cost)],
+        legacy_headers=legacy_headers,
+        missing_identity=missing_identity,
+        preflight=preflight,
     )
 
-    async def dependency(request: Any, response: Any) -> Decision:
+    async def dependency(request: Any, response: Any) -> Decision | None:
         view = request_from_scope(request.scope)
         route = limiting.route(view)
         if route is None:
-            raise HTTPException(status_code=400, detail="no client identity")
-        rule, _, identity = route
-        decision = await limiter.hit(policy, identity, rule.cost)
-        outcome = limiting.outcome(rule, decision, view)
+            return None
+        if isinstance(route, Outcome):
+            raise HTTPException(status_code=400, detail=MISSING_IDENTITY_DETAIL)
+        decision = await limiter.hit(policy, route.identity, route.rule.cost)
+        outcome = limiting.outcome(route.rule, decision, view)
         if outcome.blocked:
             raise HTTPException(
                 status_code=429,

@@ -2,7 +2,10 @@
 
 A key function takes a :class:`ratekeeper.identity.Request` (the same under ASGI and WSGI) and
 returns an identity string, or None when it has none (then the next one in :func:`first` is
-tried). Identities are hashed into keys by the limiter; the ones here never carry raw secrets.
+tried). When the middleware's key function returns None, its ``missing_identity`` option
+decides: by default the request is limited by its socket peer's address, under an
+``anonymous:`` identity that no key function here returns. Identities are hashed into keys by
+the limiter; the ones here never carry raw secrets.
 
 ``client_ip`` trusts forwarding headers only as far as they were written by proxies you trust:
 behind no trusted proxy it is the socket's peer; behind trusted proxies it walks
@@ -145,7 +148,9 @@ def header(name: str, *, fallback: KeyFunc | None = None) -> KeyFunc:
 
     Only the first value counts (up to the first comma, where a repeated header was joined), as
     frameworks read it: extra copies cannot mint fresh identities for a valid key. A request
-    without it gets ``fallback(request)`` (for example ``client_ip()``), or None.
+    without it gets ``fallback(request)`` (for example ``client_ip(trusted_proxies=...)``), or
+    None, which the middleware's ``missing_identity`` option handles (by default: limited by
+    the socket peer's address).
     """
     if not isinstance(name, str) or not name:
         raise ConfigError(f"header name must be a non-empty str, got {name!r}")

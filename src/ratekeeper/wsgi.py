@@ -22,6 +22,9 @@ from ._http import (
     DeniedResponse,
     KeyFunc,
     Limiting,
+    MissingIdentity,
+    Outcome,
+    Preflight,
     Request,
     Rule,
     merge_headers,
@@ -34,7 +37,12 @@ __all__ = ["RateLimitMiddleware", "Rule", "flask_limit", "request_from_environ"]
 StartResponse = Callable[..., Any]
 WSGIApp = Callable[[dict[str, Any], StartResponse], Iterable[bytes]]
 
-_REASONS = {429: "Too Many Requests", 403: "Forbidden", 503: "Service Unavailable"}
+_REASONS = {
+    400: "Bad Request",
+    429: "Too Many Requests",
+    403: "Forbidden",
+    503: "Service Unavailable",
+}
 
 
 def request_from_environ(environ: dict[str, Any]) -> Request:
@@ -68,6 +76,8 @@ class RateLimitMiddleware:
         shadow: bool = False,
         legacy_headers: bool = False,
         denied: DeniedResponse | None = None,
+        missing_identity: MissingIdentity = "client_ip",
+        preflight: Preflight = "exempt",
     ) -> None:
         if not isinstance(limiter, Limiter):
             raise ConfigError("the WSGI middleware needs a blocking Limiter")
@@ -81,6 +91,8 @@ class RateLimitMiddleware:
             shadow=shadow,
             legacy_headers=legacy_headers,
             denied=denied,
+            missing_identity=missing_identity,
+            preflight=preflight,
         )
 
     def __call__(self, environ: dict[str, Any], start_response: StartResponse) -> Iterable[bytes]:
@@ -88,9 +100,11 @@ class RateLimitMiddleware:
         route = self.limiting.route(request)
         if route is None:
             return self.app(environ, start_response)
-        rule, policy, identity = route
-        decision = self.limiter.hit(policy, identity, rule.cost)
-        outcome = self.limiting.outcome(rule, decision, request)
+        if isinstance(route, Outcome):
+            outcome = route
+        else:
+            decision = self.limiter.hit(route.policy, route.identity, route.rule.cost)
+            outcome = self.limiting.outcome(route.rule, decision, request)
         if outcome.response is not None:
             status, out, body = outcome.response
             start_response(f"{status} {_REASONS.get(status, 'Error')}", out)
@@ -115,6 +129,8 @@ def flask_limit(
     key: KeyFunc | None = None,
     cost: int = 1,
     legacy_headers: bool = False,
+    missing_identity: MissingIdentity = "client_ip",
+    preflight: Preflight = "exempt",
 ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """A Flask view decorator that limits one endpoint (``pip install flask``).
 
@@ -122,7 +138,10 @@ def flask_limit(
         @flask_limit(limiter, Policy("search", "10/minute"))
         def search(): ...
 
-    Adds the RateLimit headers to the view's response, or answers 429 with problem+json.
+    Charges every request the view serves (Flask serves HEAD with a GET view). Adds the
+    RateLimit headers to the view's response, or answers 429 with problem+json.
+    ``missing_identity`` and ``preflight`` are those of the middleware (``"reject"`` answers
+    400 with problem+json).
     """
     import functools
 
@@ -131,7 +150,10 @@ def flask_limit(
     if not isinstance(limiter, Limiter):
         raise ConfigError("flask_limit needs a blocking Limiter")
     limiting = Limiting(
-        rules=[Rule("*", policy, key=key, cost=cost)], legacy_headers=legacy_headers
+        rules=[Rule("*", policy, key=key, cost=cost)],
+        legacy_headers=legacy_headers,
+        missing_identity=missing_identity,
+        preflight=preflight,
     )
 
     def decorate(view: Callable[..., Any]) -> Callable[..., Any]:
@@ -141,9 +163,11 @@ def flask_limit(
             route = limiting.route(request)
             if route is None:
                 return view(*args, **kwargs)
-            rule, _, identity = route
-            decision = limiter.hit(policy, identity, rule.cost)
-            outcome = limiting.outcome(rule, decision, request)
+            if isinstance(route, Outcome):
+                outcome = route
+            else:
+                decision = limiter.hit(policy, route.identity, route.rule.cost)
+                outcome = limiting.outcome(route.rule, decision, request)
             if outcome.response is not None:
                 status, headers, body = outcome.response
                 return flask.Response(body, status=status, headers=headers)
