@@ -738,6 +738,107 @@ def test_script_flush_under_load_is_exact(victim: RedisServer, key_prefix: str):
     assert not any(d.degraded for d in decided(samples))
 
 
+class Flusher:
+    """A thread that sends SCRIPT FLUSH every few milliseconds until stopped (load pacing: the
+    sleep spaces the flushes, it synchronises nothing)."""
+
+    def __init__(self, server: RedisServer, every: float = 0.003) -> None:
+        self.server = server
+        self.every = every
+        self.flushes = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        with admin(self.server) as client:
+            while not self._stop.is_set():
+                client.script_flush()
+                self.flushes += 1
+                time.sleep(self.every)
+
+    def __enter__(self) -> Flusher:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(10)
+
+
+@pytest.mark.parametrize("batching", [True, False], ids=["batching", "no-batching"])
+@pytest.mark.parametrize("race", [False, True], ids=["flushing", "flush-after-load"])
+def test_script_flush_under_asyncio_is_exact(
+    victim: RedisServer,
+    key_prefix: str,
+    monkeypatch: pytest.MonkeyPatch,
+    batching: bool,
+    race: bool,
+):
+    """64 asyncio tasks share one identity while SCRIPT FLUSH comes every 3 ms; with ``race``,
+    also right after every SCRIPT LOAD the recovery makes, before the call is sent again (the
+    seam is the exchange, so every transport gets it). Every NOSCRIPT is absorbed: no
+    exception, exactly the limit admitted, no degraded decision."""
+    policy = Policy("flush-async", "1000/minute", failure_mode="raise")
+    tasks, each = 64, 25
+    flush_now = redis.Redis(host="127.0.0.1", port=victim.port, socket_timeout=5)
+    if race:
+        from ratekeeper._storage.redis._exchange import Exchange
+
+        original = Exchange.replied
+
+        def replied(self: Exchange, reply: Any) -> int:
+            loaded = self.loading and not isinstance(reply, Exception)
+            step = original(self, reply)
+            if loaded:
+                flush_now.script_flush()
+            return step
+
+        monkeypatch.setattr(Exchange, "replied", replied)
+
+    async def main() -> list[Any]:
+        options = {"deny_cache": 0, "timeout": 2.0, "connect_timeout": 2.0, "batching": batching}
+        async with AsyncLimiter.from_url(victim.url, key_prefix=key_prefix, **options) as limiter:
+
+            async def run() -> list[Decision]:
+                return [await limiter.hit(policy, "shared") for _ in range(each)]
+
+            with Flusher(victim) as flusher:
+                results = await asyncio.gather(
+                    *(run() for _ in range(tasks)), return_exceptions=True
+                )
+            assert flusher.flushes >= 2
+            return results
+
+    try:
+        with admin(victim) as client:
+            loads_before = _stat(client, "script|load")
+            evals_before = _stat(client, "eval")
+            results = asyncio.run(main())
+            loads = _stat(client, "script|load") - loads_before
+            evals = _stat(client, "eval") - evals_before
+    finally:
+        flush_now.close()
+    exceptions = [r for r in results if isinstance(r, BaseException)]
+    assert exceptions == []
+    decisions = [d for r in results for d in r]
+    assert len(decisions) == tasks * each
+    assert sum(d.allowed for d in decisions) == 1000
+    assert not any(d.degraded for d in decisions)
+    assert loads >= 1  # the flushes did force reloads
+    if race:
+        assert evals >= 1  # and the race sent calls with EVAL
+    record(
+        f"script_flush_asyncio[{victim.binary.flavor}-{batching=}-{race=}]",
+        hits=len(decisions),
+        script_loads=loads,
+        evals=evals,
+    )
+
+
+def _stat(client: redis.Redis, command: str) -> int:
+    return int(client.info("commandstats").get(f"cmdstat_{command}", {}).get("calls", 0))
+
+
 # --- out of memory -------------------------------------------------------------------------------
 
 
