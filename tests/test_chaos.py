@@ -489,7 +489,8 @@ async def apoll(condition: Callable[[], bool], timeout: float) -> float | None:
     return time.monotonic() - started
 
 
-def test_stall_under_asyncio(victim: RedisServer, key_prefix: str):
+@pytest.mark.parametrize("batching", [True, False], ids=["batching", "no-batching"])
+def test_stall_under_asyncio(victim: RedisServer, key_prefix: str, batching: bool):
     breaker = stall_breaker()
     transitions = Transitions(breaker)
     jobs = [[(policy, f"task-{i}") for policy in STALL_POLICIES] for i in range(8)]
@@ -503,6 +504,7 @@ def test_stall_under_asyncio(victim: RedisServer, key_prefix: str):
             breaker=breaker,
             timeout=TIMEOUT,
             connect_timeout=TIMEOUT,
+            batching=batching,
         )
         load = marks["load"] = AsyncLoad(limiter, jobs)
         try:
@@ -527,7 +529,7 @@ def test_stall_under_asyncio(victim: RedisServer, key_prefix: str):
     with Starvation() as starvation:
         asyncio.run(main())
     check_stall(
-        f"stall_asyncio[{victim.binary.flavor}]",
+        f"stall_asyncio[{victim.binary.flavor}-{batching=}]",
         samples=marks["load"].samples,
         transitions=transitions,
         stop_at=marks["stop"],

@@ -37,6 +37,8 @@ FLAVORS = [binary.flavor for binary in find_binaries()]
 
 #: Short deadlines so that failures surface quickly.
 FAST = {"timeout": 0.2, "connect_timeout": 0.2, "failure_mode": "raise"}
+#: The asyncio tests run with batching on (the default) and off.
+BATCHING = pytest.mark.parametrize("batching", [True, False], ids=["batching", "no-batching"])
 #: Generous reply timeout for steps that must succeed even on a loaded machine.
 PATIENT = {"timeout": 5, "connect_timeout": 5, "failure_mode": "raise"}
 
@@ -115,11 +117,14 @@ def test_script_flush_between_hits_sync(private: RedisServer, key_prefix: str):
         assert admin.zcard(key) == 5
 
 
-def test_script_flush_between_hits_async(private: RedisServer, key_prefix: str):
+@BATCHING
+def test_script_flush_between_hits_async(private: RedisServer, key_prefix: str, batching: bool):
     policy = Policy("flush", "5/minute")
 
     async def main(admin: redis.Redis) -> None:
-        limiter = AsyncLimiter.from_url(private.url, key_prefix=key_prefix, **PATIENT)
+        limiter = AsyncLimiter.from_url(
+            private.url, key_prefix=key_prefix, batching=batching, **PATIENT
+        )
         try:
             assert [(await limiter.hit(policy, "a")).remaining for _ in range(2)] == [4, 3]
             loads = _calls(admin, "script|load")
@@ -251,11 +256,14 @@ def test_restart_between_hits_sync(private: RedisServer, key_prefix: str):
         assert [limiter.hit(policy, "a").allowed for _ in range(5)] == [True] * 4 + [False]
 
 
-def test_restart_between_hits_async(private: RedisServer, key_prefix: str):
+@BATCHING
+def test_restart_between_hits_async(private: RedisServer, key_prefix: str, batching: bool):
     policy = Policy("restart", "5/minute")
 
     async def main() -> None:
-        limiter = AsyncLimiter.from_url(private.url, key_prefix=key_prefix, **PATIENT)
+        limiter = AsyncLimiter.from_url(
+            private.url, key_prefix=key_prefix, batching=batching, **PATIENT
+        )
         try:
             assert [(await limiter.hit(policy, "a")).remaining for _ in range(2)] == [4, 3]
             private.restart()
@@ -292,11 +300,16 @@ def test_restart_with_several_pooled_connections_sync(private: RedisServer, key_
         assert [d.remaining for d in decisions] == list(range(99, 91, -1))
 
 
-def test_restart_with_several_pooled_connections_async(private: RedisServer, key_prefix: str):
+@BATCHING
+def test_restart_with_several_pooled_connections_async(
+    private: RedisServer, key_prefix: str, batching: bool
+):
     policy = Policy("restart-pool", "100/minute")
 
     async def main() -> None:
-        limiter = AsyncLimiter.from_url(private.url, key_prefix=key_prefix, **PATIENT)
+        limiter = AsyncLimiter.from_url(
+            private.url, key_prefix=key_prefix, batching=batching, **PATIENT
+        )
         try:
             # Concurrent peeks leave several open connections in the pool.
             await asyncio.gather(*(limiter.peek(policy, "a") for _ in range(4)))
@@ -345,15 +358,20 @@ def test_server_down_raises_storage_unavailable_sync(private: RedisServer, key_p
         warm.close()
 
 
-def test_server_down_raises_storage_unavailable_async(private: RedisServer, key_prefix: str):
+@BATCHING
+def test_server_down_raises_storage_unavailable_async(
+    private: RedisServer, key_prefix: str, batching: bool
+):
     policy = Policy("down", "5/minute")
 
     async def main() -> None:
-        warm = AsyncLimiter.from_url(private.url, key_prefix=key_prefix, **FAST)
+        warm = AsyncLimiter.from_url(private.url, key_prefix=key_prefix, batching=batching, **FAST)
         try:
             assert (await warm.hit(policy, "a")).allowed
             private.kill()
-            cold = AsyncLimiter.from_url(private.url, key_prefix=key_prefix, **FAST)
+            cold = AsyncLimiter.from_url(
+                private.url, key_prefix=key_prefix, batching=batching, **FAST
+            )
             try:
                 for limiter in (warm, cold):
                     for call in (limiter.hit, limiter.peek, limiter.reset):
@@ -430,11 +448,14 @@ def test_timeout_is_not_retried_sync(private: RedisServer, key_prefix: str):
         assert limiter.hit(policy, "a").remaining == 2
 
 
-def test_timeout_is_not_retried_async(private: RedisServer, key_prefix: str):
+@BATCHING
+def test_timeout_is_not_retried_async(private: RedisServer, key_prefix: str, batching: bool):
     policy = Policy("frozen", "5/minute")
 
     async def main(admin: redis.Redis) -> None:
-        limiter = AsyncLimiter.from_url(private.url, key_prefix=key_prefix, **FAST)
+        limiter = AsyncLimiter.from_url(
+            private.url, key_prefix=key_prefix, batching=batching, **FAST
+        )
         try:
             assert (await limiter.hit(policy, "a")).allowed
             before = _stats(admin)
@@ -456,13 +477,18 @@ def test_timeout_is_not_retried_async(private: RedisServer, key_prefix: str):
         asyncio.run(main(admin))
 
 
-def test_a_frozen_server_times_out_a_new_connection_too(private: RedisServer, key_prefix: str):
+@BATCHING
+def test_a_frozen_server_times_out_a_new_connection_too(
+    private: RedisServer, key_prefix: str, batching: bool
+):
     """A fresh limiter against a frozen server: the TCP connect succeeds (the kernel accepts
     it), the handshake gets no answer, and the caller gets StorageTimeout, promptly."""
     policy = Policy("frozen-new", "5/minute")
 
     async def hit_async() -> None:
-        limiter = AsyncLimiter.from_url(private.url, key_prefix=key_prefix, **FAST)
+        limiter = AsyncLimiter.from_url(
+            private.url, key_prefix=key_prefix, batching=batching, **FAST
+        )
         try:
             await limiter.hit(policy, "a")
         finally:
@@ -482,13 +508,18 @@ def test_a_frozen_server_times_out_a_new_connection_too(private: RedisServer, ke
         assert time.monotonic() - started < 1.0
 
 
-def test_a_cancelled_async_hit_leaves_no_stale_reply(private: RedisServer, key_prefix: str):
+@BATCHING
+def test_a_cancelled_async_hit_leaves_no_stale_reply(
+    private: RedisServer, key_prefix: str, batching: bool
+):
     """A hit cancelled while waiting for its reply must not leave that reply on a pooled
     connection, where the next call would read it as its own answer."""
     policy = Policy("cancelled", "5/minute")
 
     async def main() -> None:
-        limiter = AsyncLimiter.from_url(private.url, key_prefix=key_prefix, **PATIENT)
+        limiter = AsyncLimiter.from_url(
+            private.url, key_prefix=key_prefix, batching=batching, **PATIENT
+        )
         try:
             assert (await limiter.hit(policy, "a")).remaining == 4
             with _frozen(private), pytest.raises(asyncio.TimeoutError):

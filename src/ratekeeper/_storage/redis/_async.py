@@ -106,7 +106,6 @@ class AsyncRedisStorage:
                 self._kept_loop = loop
             if self._kept:
                 connection = self._kept.pop()
-        kept = connection is not None
         if connection is None:
             try:
                 connection = await aget_connection(self.client.connection_pool)
@@ -115,8 +114,7 @@ class AsyncRedisStorage:
                     exchange.unsent(exc, broke=False)
                 return
         try:
-            # A pooled connection was checked by the pool as it was handed out.
-            await run_pipeline(connection, exchanges, check_idle=kept, reroute=False)
+            await run_pipeline(connection, exchanges, reroute=False)
         finally:
             if keep:
                 self._kept.append(connection)
@@ -177,11 +175,8 @@ class AsyncRedisStorage:
         except CLIENT_ERRORS:  # the node's connections are all busy
             rerouted = exchanges
         else:
-            check_idle = not isinstance(connection, redis.asyncio.SSLConnection)
             try:
-                rerouted = await run_pipeline(
-                    connection, exchanges, check_idle=check_idle, reroute=True
-                )
+                rerouted = await run_pipeline(connection, exchanges, reroute=True)
             finally:
                 if self.client.nodes_manager.nodes_cache.get(node.name) is node:
                     release_node_connection(node, connection)

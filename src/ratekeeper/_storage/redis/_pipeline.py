@@ -6,8 +6,8 @@ under one deadline, and tells each exchange what happened; those that have a nex
 ``EVALSHA`` or ``EVAL`` again) go out together in the next round. Each exchange advances at
 every round, so a batch takes at most four. The exchange decides; this module moves bytes:
 
-- a connection found closed by the server before the write (a kept connection is polled first:
-  readable while idle means closed) or whose write failed: the exchanges say reconnect, and
+- a connection found closed by the server before the write (it is polled first: readable
+  while idle means closed) or whose write failed: the exchanges say reconnect, and
   the next round goes out on a fresh connection, once;
 - no reply in time, or a connection that broke after the write: the exchanges without a reply
   end with a StorageTimeout / StorageUnavailable, never sent again;
@@ -61,15 +61,14 @@ def can_keep_async(client: Any) -> bool:
 
 
 async def run_pipeline(
-    connection: Any, exchanges: list[Exchange], *, check_idle: bool, reroute: bool
+    connection: Any, exchanges: list[Exchange], *, reroute: bool
 ) -> list[Exchange]:
     """Drive ``exchanges`` to their end on ``connection``; with ``reroute``, return those
-    left for redis-py's cluster client. ``check_idle``: poll the connection before each write
-    (for connections kept idle by the caller; a pool's check-out makes that check itself)."""
+    left for redis-py's cluster client."""
     rerouted: list[Exchange] = []
     try:
         while exchanges:
-            exchanges = await _round(connection, exchanges, rerouted, check_idle, reroute)
+            exchanges = await _round(connection, exchanges, rerouted, reroute)
     except BaseException:
         await connection.disconnect()
         raise
@@ -80,7 +79,6 @@ async def _round(
     connection: Any,
     exchanges: list[Exchange],
     rerouted: list[Exchange],
-    check_idle: bool,
     reroute: bool,
 ) -> list[Exchange]:
     """One round trip; returns the exchanges that go on to the next."""
@@ -101,7 +99,7 @@ async def _round(
             for exchange in exchanges:
                 next_step(exchange, exchange.unsent(exc, broke=False))
             return again
-    elif check_idle and _closed_while_idle(connection):
+    elif _closed_while_idle(connection):
         await connection.disconnect()
         closed = redis.ConnectionError("the server closed the connection while it was idle")
         for exchange in exchanges:
@@ -185,7 +183,9 @@ def _closed_while_idle(connection: Any) -> bool:
     """Whether the server closed an idle connection (or wrote to it: out of step either way).
 
     The event loop may not have seen the server's FIN yet (its callbacks run after the task
-    that is about to write), so the socket itself is polled, without waiting.
+    that is about to write; redis-py's pool check-out, a read under ``timeout(0)``, misses it
+    for the same reason), so the socket itself is polled, without waiting. Not over TLS, whose
+    own records can make an idle socket readable: there only what the loop has seen counts.
     """
     reader = connection._reader
     if reader.at_eof() or reader.exception() is not None:
@@ -194,6 +194,8 @@ def _closed_while_idle(connection: Any) -> bool:
     sock = transport.get_extra_info("socket")
     if transport.is_closing() or sock is None:
         return True
+    if transport.get_extra_info("sslcontext") is not None:
+        return False
     poller = select.poll()
     poller.register(sock.fileno(), select.POLLIN)
     return bool(poller.poll(0))
