@@ -40,6 +40,7 @@ from ratekeeper.metrics import Metrics
 
 from .delay_proxy import DelayProxy
 from .private_servers import private_servers
+from .seams import flush_after_every_load
 from .servers import RedisServer, find_binaries
 
 FLAVORS = [binary.flavor for binary in find_binaries()]
@@ -784,18 +785,7 @@ def test_script_flush_under_asyncio_is_exact(
     tasks, each = 64, 25
     flush_now = redis.Redis(host="127.0.0.1", port=victim.port, socket_timeout=5)
     if race:
-        from ratekeeper._storage.redis._exchange import Exchange
-
-        original = Exchange.replied
-
-        def replied(self: Exchange, reply: Any) -> int:
-            loaded = self.loading and not isinstance(reply, Exception)
-            step = original(self, reply)
-            if loaded:
-                flush_now.script_flush()
-            return step
-
-        monkeypatch.setattr(Exchange, "replied", replied)
+        flush_after_every_load(monkeypatch, flush_now)
 
     async def main() -> list[Any]:
         options = {"deny_cache": 0, "timeout": 2.0, "connect_timeout": 2.0, "batching": batching}

@@ -28,9 +28,9 @@ from ratekeeper import (
 )
 from ratekeeper._algorithms import get_algorithm
 from ratekeeper._scripts import load_script
-from ratekeeper._storage.redis._exchange import Exchange
 
 from .private_servers import private_servers
+from .seams import flush_after_every_load
 from .servers import RedisServer, find_binaries
 
 FLAVORS = [binary.flavor for binary in find_binaries()]
@@ -152,23 +152,8 @@ def test_script_flush_between_hits_async(private: RedisServer, key_prefix: str, 
 
 @pytest.fixture
 def flush_after_load(monkeypatch: pytest.MonkeyPatch) -> Callable[[redis.Redis], None]:
-    """Arms a SCRIPT FLUSH right after the NOSCRIPT recovery's SCRIPT LOAD is answered, before
-    the EVALSHA that follows it goes out (another process flushing in a loop). The seam is the
-    exchange every transport drives, so the same race is injected on each."""
-
-    def arm(admin: redis.Redis) -> None:
-        original = Exchange.replied
-
-        def replied(self: Exchange, reply: Any) -> int:
-            loaded = self.loading and not isinstance(reply, Exception)
-            step = original(self, reply)
-            if loaded:
-                admin.script_flush()
-            return step
-
-        monkeypatch.setattr(Exchange, "replied", replied)
-
-    return arm
+    """Arms ``seams.flush_after_every_load`` with a client of the test's."""
+    return lambda admin: flush_after_every_load(monkeypatch, admin)
 
 
 def test_script_flush_between_the_load_and_the_call_sync(

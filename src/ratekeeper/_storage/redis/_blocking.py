@@ -37,7 +37,7 @@ from hiredis import pack_command as _hiredis_pack
 
 from ..._scripts import Script
 from ._compat import INCOMPLETE, get_connection
-from ._errors import CLIENT_ERRORS, translate
+from ._errors import CLIENT_ERRORS, as_broken, as_timeout, translate
 from ._exchange import DONE, RECONNECT, Exchange
 
 __all__ = ["BlockingTransport", "can_keep", "pack_command"]
@@ -151,31 +151,19 @@ def _step(connection: Any, exchange: Exchange, check_idle: bool) -> int:
             connection.send_packed_command([packed], False)
     except (redis.TimeoutError, BlockingIOError, TimeoutError) as exc:
         connection.disconnect()
-        return exchange.timed_out(_timeout(connection, exc))
+        return exchange.timed_out(as_timeout(exc, connection.socket_timeout))
     except (redis.ConnectionError, OSError) as exc:
         connection.disconnect()
-        return exchange.unsent(_broken(exc), broke=True)
+        return exchange.unsent(as_broken(exc), broke=True)
     try:
         reply = _read_raw(connection, raw) if raw is not None else _read(connection)
     except (redis.TimeoutError, BlockingIOError, TimeoutError) as exc:
         connection.disconnect()
-        return exchange.timed_out(_timeout(connection, exc))
+        return exchange.timed_out(as_timeout(exc, connection.socket_timeout))
     except (*CLIENT_ERRORS, OSError) as exc:
         connection.disconnect()
-        return exchange.lost(_broken(exc))
+        return exchange.lost(as_broken(exc))
     return exchange.replied(reply)
-
-
-def _timeout(connection: Any, exc: BaseException) -> redis.TimeoutError:
-    if isinstance(exc, redis.TimeoutError):
-        return exc
-    return redis.TimeoutError(f"no reply within {connection.socket_timeout} s")
-
-
-def _broken(exc: BaseException) -> redis.RedisError:
-    if isinstance(exc, redis.RedisError):
-        return exc
-    return redis.ConnectionError(f"Error talking to the server: {exc}")
 
 
 def _read(connection: Any) -> Any:

@@ -33,7 +33,7 @@ from ..._errors import (
     StorageUnavailable,
 )
 
-__all__ = ["CLIENT_ERRORS", "REROUTE", "translate"]
+__all__ = ["CLIENT_ERRORS", "REROUTE", "as_broken", "as_timeout", "translate"]
 
 #: Exceptions of the store's client library. Transports catch these (and socket errors, which
 #: they turn into redis-py's own) and nothing else.
@@ -91,3 +91,17 @@ def translate(exc: Exception) -> StorageError | RequestRejected:
         error = RequestRejected(f"the store client refused the request: {exc!r}")
     error.__cause__ = exc
     return error
+
+
+def as_timeout(exc: BaseException, seconds: float | None) -> redis.TimeoutError:
+    """A socket-level timeout as redis-py's (a transport's own reads and writes)."""
+    if isinstance(exc, redis.TimeoutError):
+        return exc
+    return redis.TimeoutError(f"no reply within {seconds} s")
+
+
+def as_broken(exc: BaseException) -> redis.RedisError:
+    """A socket error as redis-py's ConnectionError (a transport's own reads and writes)."""
+    if isinstance(exc, redis.RedisError):
+        return exc
+    return redis.ConnectionError(f"Error talking to the server: {exc}")

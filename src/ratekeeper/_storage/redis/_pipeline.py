@@ -34,7 +34,7 @@ import redis
 import redis.asyncio
 
 from ._blocking import pack_command
-from ._errors import CLIENT_ERRORS, REROUTE
+from ._errors import CLIENT_ERRORS, REROUTE, as_broken, as_timeout
 from ._exchange import DONE, RECONNECT, Exchange
 
 if sys.version_info >= (3, 11):
@@ -112,12 +112,12 @@ async def _round(
     except _TIMEOUTS as exc:
         await connection.disconnect()
         for exchange in exchanges:
-            next_step(exchange, exchange.timed_out(_timeout(connection, exc)))
+            next_step(exchange, exchange.timed_out(as_timeout(exc, connection.socket_timeout)))
         return again
     except (*CLIENT_ERRORS, OSError) as exc:
         await connection.disconnect()
         for exchange in exchanges:
-            next_step(exchange, exchange.unsent(_broken(exc), broke=True))
+            next_step(exchange, exchange.unsent(as_broken(exc), broke=True))
         return again
 
     read = 0
@@ -134,13 +134,13 @@ async def _round(
                         next_step(exchange, exchange.replied(reply))
     except _TIMEOUTS as exc:
         await connection.disconnect()
-        timeout = _timeout(connection, exc)
+        timeout = as_timeout(exc, connection.socket_timeout)
         for group in slots[read:]:
             for exchange in group:
                 next_step(exchange, exchange.timed_out(timeout))
     except (*CLIENT_ERRORS, OSError) as exc:
         await connection.disconnect()
-        broken = _broken(exc)
+        broken = as_broken(exc)
         for group in slots[read:]:
             for exchange in group:
                 next_step(exchange, exchange.lost(broken))
@@ -165,18 +165,6 @@ def _pack(exchanges: list[Exchange]) -> tuple[list[list[Exchange]], bytes]:
         slots.append(group)
         packed.append(pack_command(exchange.command))
     return slots, b"".join(packed)
-
-
-def _timeout(connection: Any, exc: BaseException) -> redis.TimeoutError:
-    if isinstance(exc, redis.TimeoutError):
-        return exc
-    return redis.TimeoutError(f"no reply within {connection.socket_timeout} s")
-
-
-def _broken(exc: BaseException) -> redis.RedisError:
-    if isinstance(exc, redis.RedisError):
-        return exc
-    return redis.ConnectionError(f"Error talking to the server: {exc}")
 
 
 def _closed_while_idle(connection: Any) -> bool:
