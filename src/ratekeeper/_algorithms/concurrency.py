@@ -2,6 +2,16 @@
 
 The policy has one rate: its limit is the number of units that may be held at once, and its
 period is the lease timeout, after which an unreleased lease (a crashed holder) frees itself.
+
+Deliberate differences from the script (also in its header), which change no reply and no
+lease stored:
+
+* The read shortcut: the script reads the newest three members first, and counts (ZCOUNT),
+  looks up scores (ZMSCORE, a rank) and prunes expired leases only when those cannot answer;
+  a release finds its own members among them by name (``token.unit``, unit 1 to cost). This
+  reference bisects, looks members up by name and prunes on every acquire.
+* A release that removes the last members: the script's ZREM deletes the key (Redis keeps no
+  empty sorted set); this reference deletes it explicitly. Neither sets a TTL on release.
 """
 
 from __future__ import annotations

@@ -3,6 +3,17 @@
 Exact within a window; a client can spend up to twice the limit across a window boundary.
 The key expires at the end of the longest current window (plus the margin), so hits never
 keep it alive longer than its window.
+
+Deliberate differences from the script (also in its header), which change no reply and no
+stored field:
+
+* The TTL skip: on the server's clock, a script admission in the windows already stored
+  writes only the counts and skips PEXPIRE, because the TTL set when those windows were stored
+  already ends with the longest of them. This reference writes every field and sets the TTL on
+  every admission: the same end, within the TTL's rounding to whole milliseconds. On a
+  client's clock the script also writes everything, since the server's clock that runs the
+  TTL may not keep pace with the client's.
+* The script reads only this policy's fields (HMGET); this reference reads the whole hash.
 """
 
 from __future__ import annotations

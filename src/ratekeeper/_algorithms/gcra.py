@@ -5,6 +5,15 @@ interval T = period / limit and burst B (the policy's ``burst``, by default the 
 fits at time t when ``max(TAT, t) + c*T - t <= B*T``. The TAT is kept exactly as a whole number
 of milliseconds plus a remainder in units of 1/limit ms, so the rate is exact and so is
 ``retry_after`` (to the millisecond the algorithm counts in).
+
+Deliberate differences from the script (also in its header), which change no reply and no
+stored field:
+
+* There is no TTL skip here, unlike the other counters: every admission moves the TAT, so the
+  script, like this reference, writes both fields and sets the TTL each time, on any clock.
+* The script reads only this policy's fields (HMGET); this reference reads the whole hash.
+* The script takes the window in ms as ``window / 1000`` in a double, this reference as
+  ``window // 1000``: the same, as a window is always whole milliseconds (``Rate.period_us``).
 """
 
 from __future__ import annotations

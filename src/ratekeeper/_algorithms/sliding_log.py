@@ -1,10 +1,20 @@
 """Sliding-window log: the exact algorithm, one sorted-set entry per admitted unit of cost.
 
-The reference below returns what ``lua/sliding_log.lua`` returns and keeps the same log. (The
-script reads the newest two entries first and skips the count and the pruning when those are
-the whole log; the outcome is the same.) A rate (limit L, window W) admits a hit of cost c at
-time t when the entries with time in (t - W, t] (and any later ones) number at most L - c. An
-admitted hit adds c entries at time t.
+The reference below returns what ``lua/sliding_log.lua`` returns and keeps the same log. A rate
+(limit L, window W) admits a hit of cost c at time t when the entries with time in (t - W, t]
+(and any later ones) number at most L - c. An admitted hit adds c entries at time t.
+
+Deliberate differences from the script (also in its header), which change no reply and no
+stored time:
+
+* This log is a sorted list of times, and the token (ARGV 4) is unused. The script's sorted
+  set needs a member per unit, ``token.i``, to keep equal times apart, so it relies on tokens
+  being unique per call; a reused token would move members there instead of adding entries.
+* The read shortcut: the script reads the newest two entries first. It counts a window
+  (ZCOUNT) only when both are inside it and the log may hold more, looks up the entry a
+  denial waits for only when it is older than those two, and prunes only when it did not read
+  the whole log or an entry it read has left the longest window. This reference bisects and
+  prunes on every admission.
 """
 
 from __future__ import annotations

@@ -3,6 +3,20 @@
 O(1) memory per identity and rate: the current and previous window counts. The previous
 window's count is weighted by how much of it still overlaps the sliding window. Arithmetic is
 on integers in milliseconds, so the script and this reference agree exactly.
+
+Deliberate differences from the script (also in its header), which change no reply and no
+stored field:
+
+* The TTL skip: on the server's clock, a script admission in the windows already stored
+  writes only the current counts and skips PEXPIRE, because the TTL set when those windows
+  were stored already runs to the end of the longest window after them. This reference writes
+  every field (the window starts and previous counts with the values they had) and sets the
+  TTL on every admission: the same end, within the TTL's rounding to whole milliseconds. On a
+  client's clock the script also writes everything, since the server's clock that runs the
+  TTL may not keep pace with the client's.
+* The script reads only this policy's fields (HMGET); this reference reads the whole hash.
+* The script takes the window in ms as ``window / 1000`` in a double, this reference as
+  ``window // 1000``: the same, as a window is always whole milliseconds (``Rate.period_us``).
 """
 
 from __future__ import annotations

@@ -14,9 +14,22 @@
 --
 -- Cost: every call reads the newest READ members. When that is the whole set (few leases held)
 -- it answers everything: no count, no pruning unless a lease has expired, and a release finds
--- its members there. Otherwise the units held are counted (ZCOUNT) and scores looked up.
+-- its members there. Otherwise the units held are counted (ZCOUNT) when every member read is
+-- live, and a release looks its members' scores up (ZMSCORE).
 -- Live leases (expiry > now) are the newest members, so the lease a denial waits for is the
 -- (limit - cost)-th newest, 0-based.
+--
+-- Python reference: ratekeeper/_algorithms/concurrency.py (its _Leases is a sorted set in
+-- miniature), which the memory backend runs; tests/test_property.py demands the same reply and
+-- the same leases stored from both. The deliberate differences (each also in the reference's
+-- docstring) change neither:
+--   * The read shortcut above: the reference counts by bisection, looks its members up by
+--     name and prunes expired leases on every acquire; here ZCOUNT, ZMSCORE, the rank lookups
+--     and ZREMRANGEBYSCORE run only when the newest READ members cannot answer (a release
+--     recognises its own members among them by name: token .. '.' .. unit, 1 <= unit <= cost).
+--   * Emptying the set on release: ZREM of the last members deletes the key (Redis keeps no
+--     empty sorted set); the reference deletes its key explicitly when no member is left.
+--     Neither sets a TTL on release.
 -- now, cost, mode, n and key come from _prelude.lua.
 
 local READ, FROM = 3, '-3'  -- the newest READ members: ranks FROM to -1

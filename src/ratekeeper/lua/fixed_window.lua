@@ -13,6 +13,17 @@
 --
 -- Returns {allowed, remaining_1, reset_1, retry_1, ...}; times in microseconds; retry -1 = fits,
 -- -2 = never (cost above the limit). A denial writes nothing.
+--
+-- Python reference: ratekeeper/_algorithms/fixed_window.py, which the memory backend runs;
+-- tests/test_property.py demands the same reply and the same stored fields from both. The
+-- deliberate differences (each also in the reference's docstring) change neither:
+--   * The TTL skip: on the server's clock, an admission in the windows already stored writes
+--     only the counts (HSET c<i>) and no PEXPIRE; the TTL set when those windows were stored
+--     ends with the longest of them. The reference writes every field and sets the TTL on
+--     every admission, to the same end within the TTL's 1 ms rounding. On a client's clock the
+--     script does so too: the server's clock, which runs the TTL, may not keep pace with it.
+--   * Only this policy's fields are read (HMGET); the reference reads the whole hash. Both
+--     leave fields of other rates in the hash as they are.
 -- now, server_clock, cost, peek, n and key come from _prelude.lua.
 
 local stored

@@ -15,6 +15,15 @@
 --
 -- Returns {allowed, remaining_1, reset_1, retry_1, ...}; times in microseconds; retry -1 = fits,
 -- -2 = never (cost above the burst). A denial writes nothing.
+--
+-- Python reference: ratekeeper/_algorithms/gcra.py, which the memory backend runs;
+-- tests/test_property.py demands the same reply and the same stored fields from both. The
+-- deliberate differences (each also in the reference's docstring) change neither:
+--   * No TTL skip: every admission moves the TAT, so both sides write q<i> and r<i> and set
+--     the TTL (until the bucket is full again) every time, on any clock.
+--   * Only this policy's fields are read (HMGET); the reference reads the whole hash.
+--   * W in ms is ARGV / 1000 here (a double) and window // 1000 there: the same, because a
+--     window is always a whole number of milliseconds (Rate.period_us).
 -- now, cost, peek, n and key come from _prelude.lua.
 
 -- floor(a / b) for integers, exact where a / b in doubles might round across an integer.

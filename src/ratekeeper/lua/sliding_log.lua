@@ -19,8 +19,19 @@
 --
 -- Cost: every call reads the newest READ entries. When that is the whole log (a light user)
 -- it answers everything: no count of the window, and no pruning unless an entry has aged out.
--- Otherwise each rate is counted (ZCOUNT) and each admission prunes. The entry a denial waits
--- for is the (limit - cost)-th newest, 0-based: the oldest of those that must leave first.
+-- Otherwise a rate is counted (ZCOUNT) when both entries read are inside its window, and each
+-- admission prunes. The entry a denial waits for is the (limit - cost)-th newest, 0-based: the
+-- oldest of those that must leave first.
+--
+-- Python reference: ratekeeper/_algorithms/sliding_log.py, which the memory backend runs;
+-- tests/test_property.py demands the same reply and the same stored times from both. The
+-- deliberate differences (each also in the reference's docstring) change neither:
+--   * The reference keeps a list of times and ignores the token. Here each admitted unit is a
+--     member token .. '.' .. i, so equal times stay distinct entries; that is why the token
+--     must be unique per call (a reused one would move existing members, not add entries).
+--   * The read shortcut above: the reference counts each window by bisection and prunes on
+--     every admission; here ZCOUNT, the rank lookup and ZREMRANGEBYSCORE run only when the
+--     newest READ entries cannot answer.
 -- now, cost, peek, n and key come from _prelude.lua.
 
 local READ, FROM = 2, '-2'  -- the newest READ entries: ranks FROM to -1

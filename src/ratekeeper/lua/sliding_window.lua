@@ -15,6 +15,19 @@
 --
 -- Returns {allowed, remaining_1, reset_1, retry_1, ...}; times in microseconds; retry -1 = fits,
 -- -2 = never. A denial writes nothing.
+--
+-- Python reference: ratekeeper/_algorithms/sliding_window.py, which the memory backend runs;
+-- tests/test_property.py demands the same reply and the same stored fields from both. The
+-- deliberate differences (each also in the reference's docstring) change neither:
+--   * The TTL skip: on the server's clock, an admission in the windows already stored writes
+--     only the current counts (HSET c<i>) and no PEXPIRE; the TTL set when those windows were
+--     stored runs to the end of the longest window after them. The reference writes every
+--     field (w, c and p, the same values) and sets the TTL on every admission, to the same end
+--     within the TTL's 1 ms rounding. On a client's clock the script writes all and sets the
+--     TTL too: the server's clock, which runs the TTL, may not keep pace with the client's.
+--   * Only this policy's fields are read (HMGET); the reference reads the whole hash.
+--   * W in ms is window / 1000 here (a double) and window // 1000 there: the same, because a
+--     window is always a whole number of milliseconds (Rate.period_us).
 -- now, server_clock, cost, peek, n and key come from _prelude.lua.
 
 -- floor(a / b) for integers, exact where a / b in doubles might round across an integer.
