@@ -10,6 +10,9 @@ from pathlib import Path
 import pytest
 
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+#: It starts a private server: skipped (with the reason) where none is found.
+pytestmark = pytest.mark.usefixtures("binaries")
+
 #: The only case that may be skipped: it needs a redis-benchmark binary on PATH.
 OPTIONAL = {"redis-benchmark/evalsha"}
 

@@ -140,11 +140,7 @@ def test_unit_tests_run_without_any_server(tmp_path: Path) -> None:
 def test_without_a_server_the_suite_collects_and_server_tests_skip_with_the_reason(
     tmp_path: Path,
 ) -> None:
-    # tests/test_web_servers.py indexes FLAVORS[0] at import, so it cannot be collected without
-    # a server; it is left out here until it takes FLAVORS[:1] instead.
-    collected = run_pytest(
-        tmp_path, "--collect-only", "-q", "--ignore=tests/test_web_servers.py", servers=False
-    )
+    collected = run_pytest(tmp_path, "--collect-only", "-q", servers=False)
     assert collected.returncode == 0, collected.stdout + collected.stderr
     ids = collected.stdout.splitlines()
     assert "tests/test_contract.py::test_server_time_path[memory-sync]" in ids

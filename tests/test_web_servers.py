@@ -235,7 +235,7 @@ def test_a_denied_websocket_handshake_is_refused(served: Served):
 # --- ratekeeper demo --serve ---------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("storage", ["memory", FLAVORS[0]])
+@pytest.mark.parametrize("storage", ["memory", *FLAVORS[:1]])
 def test_demo_serve(storage: str, servers: dict[str, RedisServer]):
     port = free_port()
     url = f"http://127.0.0.1:{port}"
