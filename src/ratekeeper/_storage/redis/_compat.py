@@ -5,9 +5,13 @@ runs when a Redis storage is opened. The switches below are the only places wher
 depends on which supported version is installed.
 
 redis-py internals: ``ConnectionPool.get_connection`` (sync and asyncio; the command name it
-required before 5.3 is deprecated after), ``ClusterNode.release`` (asyncio; before 6 only the
-free list ``_free``), ``redis._parsers.hiredis.NOT_ENOUGH_DATA``. Tested against the floor
-below and the newest release (CI runs both).
+required before 5.3 is deprecated after), ``ClusterNode.release`` (asyncio; before 6.2 only
+the free list ``_free``), ``redis._parsers.hiredis.NOT_ENOUGH_DATA`` (from 5.0.8; before, an
+incomplete reply reads as False), ``redis.utils.HIREDIS_AVAILABLE`` (whether redis-py uses the
+installed hiredis), the cluster clients' ``cluster_error_retry_attempts`` (before 6.0; after,
+their ``retry``). Each switch is one "older than" threshold, so CI's two extra environments,
+the floor below and the newest release, take every branch of every switch (the main one runs
+the newest release the test tools allow). Tested from redis-py 5.0.1 to 8.1.0.
 """
 
 from __future__ import annotations
@@ -20,10 +24,12 @@ import hiredis
 import redis
 import redis._parsers.hiredis
 import redis.asyncio
+import redis.utils
 
 from ..._errors import ConfigError
 
 __all__ = [
+    "CLUSTER_OPTIONS",
     "INCOMPLETE",
     "MIN_HIREDIS",
     "MIN_REDIS",
@@ -34,23 +40,43 @@ __all__ = [
 ]
 
 #: The oldest releases that pass the contract, recovery and exactness suites (CI runs them).
+#: redis-py 5.0.0 has no ``aclose``; redis-py 6.2 and later ignore a hiredis older than 3.2.
 MIN_REDIS = (5, 0, 1)
-MIN_HIREDIS = (2, 3, 0)
+MIN_HIREDIS = (3, 2, 0)
 
 
 def _version(text: str) -> tuple[int, ...]:
     return tuple(int(part) for part in re.findall(r"\d+", text)[:3])
 
 
+_REDIS = _version(redis.__version__)
+
+
 def check_versions() -> None:
-    """Raise a one-line ConfigError when redis-py or hiredis is older than supported."""
+    """Raise a one-line ConfigError when redis-py or hiredis is older than supported, or when
+    redis-py does not use the installed hiredis."""
     found = (redis.__version__, getattr(hiredis, "__version__", "0"))
+    wanted = f"redis>={_dotted(MIN_REDIS)} and hiredis>={_dotted(MIN_HIREDIS)}"
     if _version(found[0]) < MIN_REDIS or _version(found[1]) < MIN_HIREDIS:
         raise ConfigError(
-            f"ratekeeper needs redis>={'.'.join(map(str, MIN_REDIS))} and "
-            f"hiredis>={'.'.join(map(str, MIN_HIREDIS))}; found redis {found[0]} and "
-            f"hiredis {found[1]}: pip install -U 'ratekeeper[redis]'"
+            f"ratekeeper needs {wanted}; found redis {found[0]} and hiredis {found[1]}: "
+            "pip install -U 'ratekeeper[redis]'"
         )
+    if not getattr(redis.utils, "HIREDIS_AVAILABLE", False):
+        raise ConfigError(
+            f"redis-py {found[0]} does not use hiredis {found[1]}; ratekeeper needs {wanted} "
+            "with redis-py's hiredis parser: pip install -U 'ratekeeper[redis]'"
+        )
+
+
+def _dotted(version: tuple[int, ...]) -> str:
+    return ".".join(map(str, version))
+
+
+#: Extra options for the cluster clients: before 6.0 redis-py retries a cluster error three
+#: times (with sleeps) unless told otherwise; from 6.0 the ``retry`` we pass says once, and
+#: that option is deprecated.
+CLUSTER_OPTIONS: dict[str, Any] = {"cluster_error_retry_attempts": 1} if _REDIS < (6, 0) else {}
 
 
 def _needs_name(method: Any) -> bool:
@@ -75,7 +101,7 @@ async def aget_connection(pool: Any) -> Any:
 
 
 def release_node_connection(node: Any, connection: Any) -> None:
-    """Give a connection back to an asyncio cluster node."""
+    """Give a connection back to an asyncio cluster node (``release`` from redis-py 6.2)."""
     release = getattr(node, "release", None)
     if release is not None:
         release(connection)
@@ -83,6 +109,6 @@ def release_node_connection(node: Any, connection: Any) -> None:
         node._free.append(connection)
 
 
-#: What hiredis's reader returns while a reply is incomplete: redis-py >= 6 asks for a sentinel
-#: object, older releases get False.
+#: What hiredis's reader returns while a reply is incomplete: redis-py >= 5.0.8 asks for a
+#: sentinel object, older releases get False.
 INCOMPLETE: Any = getattr(redis._parsers.hiredis, "NOT_ENOUGH_DATA", False)

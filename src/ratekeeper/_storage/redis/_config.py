@@ -4,7 +4,8 @@
 asyncio client; ``sync_client`` and ``async_client`` build the client it describes. Every
 mistake is a ``ConfigError`` that names the option or the URL (its password hidden).
 
-redis-py internals: none; public constructors only. The cluster clients are subclassed to
+redis-py internals: none; public constructors only (one option differs by version: see
+``_compat.CLUSTER_OPTIONS``). The cluster clients are subclassed to
 narrow ``ERRORS_ALLOW_RETRY`` (a class attribute in every supported version): redis-py would
 retry a timed-out or broken call, which may have run.
 """
@@ -29,6 +30,7 @@ from redis.retry import Retry
 
 from ..._errors import ConfigError
 from ..base import redact
+from ._compat import CLUSTER_OPTIONS
 from ._errors import CLIENT_ERRORS
 
 __all__ = [
@@ -194,7 +196,7 @@ def sync_client(built: Plan) -> tuple[Any, Callable[[], Any] | None, tuple[Any, 
                 redis.cluster.ClusterNode(host, port)  # type: ignore[no-untyped-call]
                 for host, port in built.hosts
             ]
-            return None, lambda: _Cluster(startup_nodes=nodes, **kwargs), ()
+            return None, lambda: _Cluster(startup_nodes=nodes, **{**CLUSTER_OPTIONS, **kwargs}), ()
         if built.kind == "sentinel":
             sentinel = redis.sentinel.Sentinel(  # type: ignore[no-untyped-call]
                 built.hosts, sentinel_kwargs=built.sentinel_kwargs, **kwargs
@@ -215,7 +217,7 @@ def async_client(built: Plan) -> tuple[Any, tuple[Any, ...]]:
     try:
         if built.kind == "cluster":
             nodes = [redis.asyncio.cluster.ClusterNode(host, port) for host, port in built.hosts]
-            return _AsyncCluster(startup_nodes=nodes, **kwargs), ()
+            return _AsyncCluster(startup_nodes=nodes, **{**CLUSTER_OPTIONS, **kwargs}), ()
         if built.kind == "sentinel":
             sentinel = redis.asyncio.sentinel.Sentinel(  # type: ignore[no-untyped-call]
                 built.hosts, sentinel_kwargs=built.sentinel_kwargs, **kwargs

@@ -9,6 +9,7 @@ redis-py internals: ``client.connection_pool``; the rest through the modules abo
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -44,6 +45,10 @@ class RedisStorage:
         self._client = client
         self._connect = connect
         self._also_close = also_close  # the connections to the sentinels, if any
+        # Threads making their first calls together build one client, not one each: clients
+        # built at once share the startup nodes, and redis-py < 7.2 closes their connections
+        # under the others' feet when it refreshes its slot table.
+        self._connecting = threading.Lock()
         self._checked_eviction = False
         self._watch = master_watch(client)
         # One server (also the primary Sentinel names) takes the blocking transport; a cluster
@@ -64,11 +69,13 @@ class RedisStorage:
     def client(self) -> Any:
         """The redis-py client, built on first use if need be."""
         if self._client is None:
-            assert self._connect is not None
-            try:
-                self._client = self._connect()
-            except CLIENT_ERRORS as exc:
-                raise translate(exc) from exc
+            with self._connecting:
+                if self._client is None:
+                    assert self._connect is not None
+                    try:
+                        self._client = self._connect()
+                    except CLIENT_ERRORS as exc:
+                        raise translate(exc) from exc
         return self._client
 
     def run(self, script: Script, keys: tuple[str, ...], args: tuple[int | str, ...]) -> list[int]:
