@@ -12,6 +12,8 @@ event loop works through the replies of another. A key always takes the same lan
 sends one batch at a time, so the calls on one key run in the order they were made. (Lanes
 chosen by arrival instead could let a later call on a key overtake an earlier one on another
 connection.)
+
+redis-py internals: none (the pipeline it feeds is ``_pipeline``).
 """
 
 from __future__ import annotations

@@ -8,6 +8,7 @@ redis-py internals: none; public constructors only (one option differs by versio
 ``_compat.CLUSTER_OPTIONS``). The cluster clients are subclassed to
 narrow ``ERRORS_ALLOW_RETRY`` (a class attribute in every supported version): redis-py would
 retry a timed-out or broken call, which may have run.
+Tested with redis-py 5.0.1 (the floor) to 8.1.0, in CI's three environments.
 """
 
 from __future__ import annotations

@@ -24,6 +24,7 @@ Transports report only client-library errors here. Anything else raised while th
 
 redis-py internals: none. Error replies arrive as the exception objects redis-py's parser
 builds (``NoScriptError``, ``ResponseError``, ...), returned rather than raised.
+Tested with redis-py 5.0.1 (the floor) to 8.1.0, in CI's three environments.
 """
 
 from __future__ import annotations

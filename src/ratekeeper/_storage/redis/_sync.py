@@ -5,6 +5,7 @@ redis-py's command path, ``_command``, for a cluster), follows Sentinel failover
 (``_sentinel``) and checks the eviction policy once. Every script call is an ``Exchange``.
 
 redis-py internals: ``client.connection_pool``; the rest through the modules above.
+Tested with redis-py 5.0.1 (the floor) to 8.1.0, in CI's three environments.
 """
 
 from __future__ import annotations
