@@ -18,7 +18,14 @@ from .._errors import ConfigError
 from .base import AsyncStorage, SyncStorage
 from .memory import AsyncMemoryStorage, MemoryStorage
 
-__all__ = ["AsyncStorage", "SyncStorage", "open_async", "open_sync"]
+__all__ = [
+    "AsyncStorage",
+    "SyncStorage",
+    "open_async",
+    "open_client_async",
+    "open_client_sync",
+    "open_sync",
+]
 
 _REDIS_SCHEMES = frozenset(
     {
@@ -79,3 +86,22 @@ def open_async(
     from .redis import AsyncRedisStorage
 
     return AsyncRedisStorage.from_url(_redis_url(url, scheme), batching=batching, **options)
+
+
+def open_client_sync(client: Any) -> SyncStorage:
+    """A blocking storage on the user's own redis-py client (``redis.Redis``, Sentinel-managed
+    or not, or ``redis.cluster.RedisCluster``). The client stays the user's: closing the
+    storage gives its connections back and leaves the client open."""
+    from .redis import RedisStorage
+
+    return RedisStorage.from_client(client)
+
+
+def open_client_async(client: Any, *, batching: bool = True) -> AsyncStorage:
+    """An asyncio storage on the user's own ``redis.asyncio.Redis`` or
+    ``redis.asyncio.cluster.RedisCluster`` (see ``open_client_sync``)."""
+    if not isinstance(batching, bool):
+        raise ConfigError(f"batching must be True or False, got {batching!r}")
+    from .redis import AsyncRedisStorage
+
+    return AsyncRedisStorage.from_client(client, batching=batching)

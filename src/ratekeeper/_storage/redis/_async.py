@@ -27,7 +27,7 @@ from ..._scripts import Script
 from ._batch import Batcher, Pending
 from ._command import arun_command_path
 from ._compat import aget_connection, check_versions, release_node_connection
-from ._config import async_client, plan
+from ._config import adopt_client, async_client, plan
 from ._errors import CLIENT_ERRORS, translate
 from ._eviction import log_eviction_warning, parse_info
 from ._exchange import Exchange
@@ -45,9 +45,15 @@ class AsyncRedisStorage:
     """Runs scripts on a ``redis.asyncio.Redis`` client (or cluster, or Sentinel-managed)."""
 
     def __init__(
-        self, client: Any, *, also_close: tuple[Any, ...] = (), batching: bool = True
+        self,
+        client: Any,
+        *,
+        also_close: tuple[Any, ...] = (),
+        batching: bool = True,
+        owns_client: bool = True,
     ) -> None:
         self.client = client
+        self._owns_client = owns_client  # False: the user's client, theirs to close
         self._also_close = also_close  # the connections to the sentinels, if any
         self._checked_eviction = False
         self._cluster = isinstance(client, redis.asyncio.cluster.RedisCluster)
@@ -72,6 +78,15 @@ class AsyncRedisStorage:
         check_versions()
         client, also_close = async_client(plan(url, options))
         return cls(client, also_close=also_close, batching=batching)
+
+    @classmethod
+    def from_client(cls, client: Any, *, batching: bool = True) -> AsyncRedisStorage:
+        """A storage on the user's own ``redis.asyncio.Redis`` (also Sentinel-managed) or
+        ``redis.asyncio.cluster.RedisCluster``, used as it is configured (see
+        ``adopt_client``)."""
+        check_versions()
+        adopt_client(client, asyncio=True)
+        return cls(client, batching=batching, owns_client=False)
 
     async def run(
         self, script: Script, keys: tuple[str, ...], args: tuple[int | str, ...]
@@ -219,6 +234,7 @@ class AsyncRedisStorage:
 
     async def close(self) -> None:
         await self._give_back()
-        await self.client.aclose()
+        if self._owns_client:
+            await self.client.aclose()
         for other in self._also_close:
             await other.aclose()

@@ -123,9 +123,11 @@ class BlockingTransport:
             self.pool.release(connection)
 
     def close(self) -> None:
+        """Give the kept connections back to the pool (the user's, it may be), disconnected."""
         idle, self.idle = self.idle, []
         for connection in idle:
             connection.disconnect()
+            self.pool.release(connection)
 
     def forget(self) -> None:
         """In a forked child: the parent's sockets are not this process's to use."""

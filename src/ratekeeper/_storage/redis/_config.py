@@ -1,4 +1,5 @@
-"""Configuration: limiter options and storage URLs turned into redis-py clients.
+"""Configuration: limiter options and storage URLs turned into redis-py clients, and a user's own
+client checked before it is used (``adopt_client``).
 
 ``plan`` validates the options and parses the URL once, the same for the blocking and the
 asyncio client; ``sync_client`` and ``async_client`` build the client it describes. Every
@@ -13,6 +14,7 @@ Tested with redis-py 5.0.1 (the floor) to 8.1.0, in CI's three environments.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -38,6 +40,7 @@ __all__ = [
     "DEFAULT_CONNECT_TIMEOUT",
     "DEFAULT_TIMEOUT",
     "Plan",
+    "adopt_client",
     "async_client",
     "client_options",
     "parse_multi_host",
@@ -49,6 +52,8 @@ __all__ = [
 #: at all, and the failure mode decides then. Raise both for a distant or TLS store.
 DEFAULT_TIMEOUT = 0.020
 DEFAULT_CONNECT_TIMEOUT = 0.020
+
+log = logging.getLogger("ratekeeper")
 
 _OWN_OPTIONS = frozenset({"timeout", "connect_timeout", "max_connections", "redis_options"})
 
@@ -227,3 +232,63 @@ def async_client(built: Plan) -> tuple[Any, tuple[Any, ...]]:
         return redis.asyncio.Redis.from_url(built.url, **kwargs), ()
     except (ValueError, TypeError, *CLIENT_ERRORS) as exc:
         raise _invalid(built.url, exc) from exc
+
+
+_SYNC_CLIENTS = (redis.Redis, redis.cluster.RedisCluster)
+_ASYNC_CLIENTS = (redis.asyncio.Redis, redis.asyncio.cluster.RedisCluster)
+
+
+def adopt_client(client: Any, *, asyncio: bool) -> list[str]:
+    """Check a client the user built: the right kind (a ConfigError otherwise), and which of
+    ratekeeper's guarantees its configuration gives up. Each of those is logged once, as a
+    warning, and returned; the client is used as it is, never reconfigured."""
+    wanted, other = (_ASYNC_CLIENTS, _SYNC_CLIENTS) if asyncio else (_SYNC_CLIENTS, _ASYNC_CLIENTS)
+    api = "AsyncLimiter" if asyncio else "Limiter"
+    if not isinstance(client, wanted):
+        if isinstance(client, other):
+            kind = "a blocking" if asyncio else "an asyncio"
+            raise ConfigError(f"{api}.from_client needs {_kinds(wanted)}, got {kind} client")
+        module = type(client).__module__.split(".")[0]
+        hint = (
+            "; ratekeeper speaks to Valkey through redis-py: redis.Redis works with Valkey"
+            if module == "valkey"
+            else ""
+        )
+        raise ConfigError(
+            f"{api}.from_client needs {_kinds(wanted)}, got {type(client).__qualname__}{hint}"
+        )
+    given_up = []
+    kwargs = _connection_kwargs(client)
+    for name, what in (
+        ("socket_timeout", "a decision can wait as long as the store takes to answer"),
+        ("socket_connect_timeout", "a decision can wait as long as a connection takes to open"),
+    ):
+        if kwargs.get(name) is None:
+            given_up.append(f"the client has no {name}: {what}")
+    if isinstance(client, (redis.cluster.RedisCluster, redis.asyncio.cluster.RedisCluster)):
+        resent = {redis.TimeoutError, redis.ConnectionError} & set(type(client).ERRORS_ALLOW_RETRY)
+        if resent:
+            names = ", ".join(sorted(error.__name__ for error in resent))
+            given_up.append(
+                f"redis-py's cluster client sends a command again after {names}, when the "
+                "script may have run: a hit can count twice (a ratekeeper redis+cluster:// URL "
+                "does not)"
+            )
+    for warning in given_up:
+        log.warning("ratekeeper: %s.from_client: %s", api, warning)
+    return given_up
+
+
+def _kinds(classes: tuple[type, ...]) -> str:
+    return " or ".join(f"{c.__module__}.{c.__qualname__}" for c in classes)
+
+
+def _connection_kwargs(client: Any) -> dict[str, Any]:
+    """The options the client's connections are made with (a pool's, or a cluster's)."""
+    pool = getattr(client, "connection_pool", None)
+    if pool is not None:
+        return dict(pool.connection_kwargs)
+    manager = getattr(client, "nodes_manager", None)
+    if manager is not None and isinstance(getattr(manager, "connection_kwargs", None), dict):
+        return dict(manager.connection_kwargs)
+    return dict(getattr(client, "connection_kwargs", {}))

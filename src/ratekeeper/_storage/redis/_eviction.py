@@ -39,10 +39,11 @@ def log_eviction_warning(info: dict[str, Any]) -> None:
         log.warning("%s", warning)
 
 
-def parse_info(raw: bytes) -> dict[str, str]:
-    """``INFO``'s ``name:value`` lines."""
+def parse_info(raw: bytes | str) -> dict[str, str]:
+    """``INFO``'s ``name:value`` lines (``str`` from a client that decodes responses)."""
     fields = {}
-    for line in raw.decode(errors="replace").splitlines():
+    text = raw if isinstance(raw, str) else raw.decode(errors="replace")
+    for line in text.splitlines():
         name, sep, value = line.partition(":")
         if sep and not name.startswith("#"):
             fields[name] = value

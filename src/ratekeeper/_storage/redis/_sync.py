@@ -14,12 +14,14 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+import redis.cluster
+
 from ..._errors import RequestRejected, StorageError
 from ..._scripts import Script
 from ._blocking import BlockingTransport, can_keep
 from ._command import run_command_path
 from ._compat import check_versions
-from ._config import plan, sync_client
+from ._config import adopt_client, plan, sync_client
 from ._errors import CLIENT_ERRORS, translate
 from ._eviction import log_eviction_warning, parse_info
 from ._exchange import Exchange
@@ -40,6 +42,7 @@ class RedisStorage:
         *,
         connect: Callable[[], Any] | None = None,
         also_close: tuple[Any, ...] = (),
+        owns_client: bool = True,
     ) -> None:
         if client is None and connect is None:
             raise ValueError("RedisStorage needs a client or a way to connect")
@@ -51,12 +54,13 @@ class RedisStorage:
         # under the others' feet when it refreshes its slot table.
         self._connecting = threading.Lock()
         self._checked_eviction = False
+        self._owns_client = owns_client  # False: the user's client, theirs to close
         self._watch = master_watch(client)
         # One server (also the primary Sentinel names) takes the blocking transport; a cluster
-        # (built on first use, so client is None here) redis-py's command path.
+        # (built on first use, or the user's) redis-py's command path.
         self._transport = (
             None
-            if client is None
+            if client is None or isinstance(client, redis.cluster.RedisCluster)
             else BlockingTransport(client.connection_pool, keep=can_keep(client))
         )
 
@@ -65,6 +69,14 @@ class RedisStorage:
         check_versions()
         client, connect, also_close = sync_client(plan(url, options))
         return cls(client, connect=connect, also_close=also_close)
+
+    @classmethod
+    def from_client(cls, client: Any) -> RedisStorage:
+        """A storage on the user's own ``redis.Redis`` (also Sentinel-managed) or
+        ``redis.cluster.RedisCluster``, used as it is configured (see ``adopt_client``)."""
+        check_versions()
+        adopt_client(client, asyncio=False)
+        return cls(client, owns_client=False)
 
     @property
     def client(self) -> Any:
@@ -112,7 +124,7 @@ class RedisStorage:
     def close(self) -> None:
         if self._transport is not None:
             self._transport.close()
-        if self._client is not None:
+        if self._client is not None and self._owns_client:
             self._client.close()
         for other in self._also_close:
             other.close()
