@@ -27,6 +27,22 @@ MAX_INT = 2**53
         ("3/hour", (Rate(3, 3600),)),
         ("1/day", (Rate(1, 86_400),)),
         ("1/d", (Rate(1, 86_400),)),
+        ("2/week", (Rate(2, 7 * 86_400),)),
+        ("2/w", (Rate(2, 7 * 86_400),)),
+        ("2/wk", (Rate(2, 7 * 86_400),)),
+        ("2 per 2 wks", (Rate(2, 14 * 86_400),)),
+        ("2 per 3 weeks", (Rate(2, 21 * 86_400),)),
+        ("9/month", (Rate(9, 30 * 86_400),)),
+        ("9/mo", (Rate(9, 30 * 86_400),)),
+        ("9 per 2 mos", (Rate(9, 60 * 86_400),)),
+        ("9 per 6 months", (Rate(9, 180 * 86_400),)),
+        ("4/year", (Rate(4, 365 * 86_400),)),
+        ("4/y", (Rate(4, 365 * 86_400),)),
+        ("4/yr", (Rate(4, 365 * 86_400),)),
+        ("4 per 2 yrs", (Rate(4, 730 * 86_400),)),
+        ("4 per 71 years", (Rate(4, 71 * 365 * 86_400),)),
+        ("4/YEAR", (Rate(4, 365 * 86_400),)),
+        ("7/M", (Rate(7, 60),)),  # m is a minute, in either case; a month is mo
         ("5 per 10 seconds", (Rate(5, 10),)),
         ("100 per 15 minutes", (Rate(100, 900),)),
         ("10 / 5 seconds", (Rate(10, 5),)),
@@ -50,6 +66,24 @@ def test_parse_rates_values_are_exact() -> None:
     assert type(rate.limit) is int
 
 
+def test_parse_rates_mixes_every_separator_and_the_long_units() -> None:
+    rates = parse_rates("1/year|5/month;10/week,100/day")
+    assert [r.period_ms for r in rates] == [
+        86_400_000, 604_800_000, 2_592_000_000, 31_536_000_000,
+    ]  # fmt: skip
+    assert [r.limit for r in rates] == [100, 10, 5, 1]
+
+
+@pytest.mark.parametrize(
+    ("text", "other"),
+    [("1/week", "3 per 7 days"), ("1/month", "3 per 30 days"), ("1/year", "3 per 365 days")],
+)
+def test_long_units_are_whole_days(text: str, other: str) -> None:
+    """A week is 7 days, a month 30 and a year 365: the same period as the days spelt out."""
+    with pytest.raises(ConfigError, match="share the period"):
+        parse_rates(f"{text};{other}")
+
+
 def test_parse_rates_sorts_by_period() -> None:
     rates = parse_rates("1000/hour;10/second;1/day;100 per 15 minutes;50/minute")
     assert [r.period for r in rates] == [1.0, 60.0, 900.0, 3600.0, 86_400.0]
@@ -65,6 +99,9 @@ def test_parse_rates_sorts_by_period() -> None:
         "  10/second;1000/hour  ",
         "\t10 /second ;\n1000/ hour",
         "10/second;1000/hour",
+        "10/second|1000/hour",
+        "10/second | 1000/hour",
+        "1000/hour|10/second",
     ],
 )
 def test_parse_rates_separators_and_whitespace(text: str) -> None:
@@ -95,6 +132,13 @@ def test_parse_rates_accepts_rate_objects() -> None:
         ("10/second;5/fortnight", "fortnight"),
         ("10/second;1.5/hour", "1.5/hour"),
         ("ten/second", "ten/second"),
+        ("10/ms", "ms"),  # milliseconds or months: ambiguous, so neither
+        ("10/mon", "mon"),
+        ("10/fortnights", "fortnights"),
+        ("10/second|", "10/second|"),
+        ("1 per 72 years", "72 years"),
+        ("1 per 900 months", "900 months"),
+        ("1 per 3800 weeks", "3800 weeks"),
     ],
 )
 def test_parse_rates_refuses_and_names_the_bad_part(text: str, named: str) -> None:
@@ -109,11 +153,19 @@ def test_parse_rates_refuses_empty(text: str) -> None:
         parse_rates(text)
 
 
-@pytest.mark.parametrize("text", ["10/second;", ";10/second", "10/second,,1/hour", "10/s; ;1/h"])
+@pytest.mark.parametrize(
+    "text", ["10/second;", ";10/second", "10/second,,1/hour", "10/s; ;1/h", "10/s||1/h", "|1/w"]
+)
 def test_parse_rates_refuses_empty_item(text: str) -> None:
     with pytest.raises(ConfigError, match="empty item") as info:
         parse_rates(text)
     assert repr(text) in str(info.value)
+
+
+def test_an_unknown_unit_lists_every_unit() -> None:
+    with pytest.raises(ConfigError) as info:
+        parse_rates("10/fortnight")
+    assert "second, minute, hour, day, week, month or year" in str(info.value)
 
 
 def test_parse_rates_refuses_duplicate_period() -> None:
@@ -211,6 +263,13 @@ def test_rate_is_frozen() -> None:
         (Rate(2, 7200), "2 per 2 hours"),
         (Rate(1, 86_400), "1/day"),
         (Rate(4, 3 * 86_400), "4 per 3 days"),
+        (Rate(2, 7 * 86_400), "2/week"),
+        (Rate(2, 14 * 86_400), "2 per 2 weeks"),
+        (Rate(9, 30 * 86_400), "9/month"),
+        (Rate(9, 90 * 86_400), "9 per 3 months"),
+        (Rate(4, 365 * 86_400), "4/year"),
+        (Rate(4, 71 * 365 * 86_400), "4 per 71 years"),
+        (Rate(1, 360 * 86_400), "1 per 12 months"),
         (Rate(MAX_INT, 1), f"{MAX_INT}/second"),
     ],
 )
@@ -220,5 +279,5 @@ def test_rate_str_round_trips(rate: Rate, text: str) -> None:
 
 
 def test_joined_strs_round_trip() -> None:
-    rates = parse_rates("10/second;100 per 15 minutes;1/day")
+    rates = parse_rates("10/second;100 per 15 minutes;1/day;5/week;20/month;100/year")
     assert parse_rates(";".join(str(r) for r in rates)) == rates

@@ -18,22 +18,28 @@ MAX_INT = 2**53
 #: epoch microseconds plus at most twice this, and must stay below 2**53.
 MAX_SPAN_US = 2**51
 
-_UNITS: dict[str, int] = {}
-for _names, _ms in (
-    (("s", "sec", "secs", "second", "seconds"), 1_000),
-    (("m", "min", "mins", "minute", "minutes"), 60_000),
-    (("h", "hr", "hrs", "hour", "hours"), 3_600_000),
-    (("d", "day", "days"), 86_400_000),
-):
-    for _name in _names:
-        _UNITS[_name] = _ms
+#: Each unit: its name, its length in milliseconds and every spelling the parser takes (matched
+#: case-insensitively), longest first. A month is 30 days and a year 365 days, as in
+#: envoyproxy/ratelimit. ``m`` is a minute; months are ``mo``.
+_UNIT_TABLE: tuple[tuple[str, int, tuple[str, ...]], ...] = (
+    ("year", 365 * 86_400_000, ("y", "yr", "yrs", "year", "years")),
+    ("month", 30 * 86_400_000, ("mo", "mos", "month", "months")),
+    ("week", 7 * 86_400_000, ("w", "wk", "wks", "week", "weeks")),
+    ("day", 86_400_000, ("d", "day", "days")),
+    ("hour", 3_600_000, ("h", "hr", "hrs", "hour", "hours")),
+    ("minute", 60_000, ("m", "min", "mins", "minute", "minutes")),
+    ("second", 1_000, ("s", "sec", "secs", "second", "seconds")),
+)
+_UNITS = {spelling: ms for _, ms, spellings in _UNIT_TABLE for spelling in spellings}
+_NAMES = [name for name, _, _ in reversed(_UNIT_TABLE)]
+_UNIT_NAMES = f"{', '.join(_NAMES[:-1])} or {_NAMES[-1]}"
 
 # "10/second", "10 / 5 seconds", "100 per 15 minutes". ASCII digits only, no signs, no decimals.
 _RATE = re.compile(
     r"(?P<limit>[0-9]+)\s*(?:/|\s+per\s+)\s*(?:(?P<mult>[0-9]+)\s*)?(?P<unit>[A-Za-z]+)",
     re.ASCII | re.IGNORECASE,
 )
-_SEPARATORS = re.compile(r"[;,]")
+_SEPARATORS = re.compile(r"[;,|]")
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,13 +82,10 @@ class Rate:
 
     def __str__(self) -> str:
         ms = self.period_ms
-        for unit, size in (("day", 86_400_000), ("hour", 3_600_000), ("minute", 60_000)):
+        for unit, size, _ in _UNIT_TABLE:
             if ms % size == 0:
                 n = ms // size
                 return f"{self.limit}/{unit}" if n == 1 else f"{self.limit} per {n} {unit}s"
-        if ms % 1000 == 0:
-            n = ms // 1000
-            return f"{self.limit}/second" if n == 1 else f"{self.limit} per {n} seconds"
         return f"{self.limit} per {self.period:g} seconds"
 
 
@@ -97,7 +100,7 @@ def _parse_one(text: str) -> Rate:
     unit = match["unit"].lower()
     if unit not in _UNITS:
         raise ConfigError(
-            f"unknown time unit {match['unit']!r} in rate {text!r}: use second, minute, hour or day"
+            f"unknown time unit {match['unit']!r} in rate {text!r}: use {_UNIT_NAMES}"
         )
     limit = int(match["limit"])
     mult = int(match["mult"]) if match["mult"] is not None else 1
@@ -115,7 +118,7 @@ def _parse_one(text: str) -> Rate:
 def parse_rates(rates: str | Rate | Iterable[Rate]) -> tuple[Rate, ...]:
     """Parse and validate one or more rates.
 
-    Accepts a string (``"10/second;1000/hour"``, items separated by ``;`` or ``,``), a single
+    Accepts a string (``"10/second;1000/week"``, items separated by ``;``, ``,`` or ``|``), a single
     :class:`Rate`, or an iterable of :class:`Rate`. The result is sorted by period. Two rates
     with the same period are refused: one of them would be dead configuration.
     """
