@@ -8,16 +8,35 @@ switch), with a ManualClock and a breaker on a fake clock, so every count is kno
 from __future__ import annotations
 
 import asyncio
+import sys
 from typing import Any
 
 import pytest
 from prometheus_client import CollectorRegistry
 
-from ratekeeper import AsyncLimiter, Decision, Limiter, ManualClock, Policy, StorageUnavailable
+from ratekeeper import (
+    AsyncLimiter,
+    ConfigError,
+    Decision,
+    Limiter,
+    ManualClock,
+    Policy,
+    StorageUnavailable,
+)
 from ratekeeper._breaker import BreakerState, CircuitBreaker
 from ratekeeper._scripts import Script
 from ratekeeper._storage.memory import MemoryStorage
-from ratekeeper.metrics import Metrics, PrometheusMetrics
+from ratekeeper.metrics import (
+    BREAKER_STATE,
+    BREAKER_TRANSITIONS,
+    DECISIONS,
+    DEGRADED,
+    DENY_CACHE_HITS,
+    STORE_LATENCY,
+    Instrument,
+    Metrics,
+    PrometheusMetrics,
+)
 
 from .conftest import MakeLimiter
 
@@ -85,6 +104,55 @@ def key(name: str, **labels: str) -> tuple[str, tuple[tuple[str, str], ...]]:
     return (name, tuple(sorted(labels.items())))
 
 
+#: Expected values, the same for every adapter: (instrument, label values) -> value, where a
+#: histogram's value is its number of observations. Each adapter's test names them its own way.
+Counts = dict[tuple[Instrument, tuple[str, ...]], float]
+
+
+def prometheus(counts: Counts) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """``counts`` as Prometheus samples, as ``samples()`` returns them."""
+    suffix = {"counter": "_total", "histogram": "_count", "state": ""}
+    found = {}
+    for (i, v), n in counts.items():
+        labels = dict(zip(i.prometheus_labels, v, strict=True))
+        found[key(f"ratekeeper_{i.prometheus}{suffix[i.kind]}", **labels)] = n
+    return found
+
+
+#: What scenario() counts.
+SCENARIO_COUNTS: Counts = {
+    (DECISIONS, ("api", "allowed")): 4,
+    (DECISIONS, ("api", "denied")): 5,
+    (DECISIONS, ("other", "allowed")): 1,
+    (DECISIONS, ("other", "denied")): 2,
+    (DEGRADED, ("api", "unavailable/open")): 1,
+    (DEGRADED, ("api", "breaker_open/open")): 1,
+    (DEGRADED, ("other", "unavailable/closed")): 1,
+    (DEGRADED, ("other", "breaker_open/closed")): 1,
+    (DENY_CACHE_HITS, ("api",)): 4,
+    (STORE_LATENCY, ("ok",)): 4,
+    (STORE_LATENCY, ("error",)): 2,
+    (BREAKER_STATE, ()): 2,
+    (BREAKER_TRANSITIONS, ("closed", "open")): 1,
+}
+#: After scenario() and recover(): half-open, two good probes, closed.
+RECOVERED_COUNTS: Counts = {
+    **SCENARIO_COUNTS,
+    (DECISIONS, ("api", "allowed")): 6,
+    (STORE_LATENCY, ("ok",)): 6,
+    (BREAKER_STATE, ()): 0,
+    (BREAKER_TRANSITIONS, ("open", "half_open")): 1,
+    (BREAKER_TRANSITIONS, ("half_open", "closed")): 1,
+}
+#: What test_*_on_every_backend counts: 3 allowed, a store denial, a cached one.
+BACKEND_COUNTS: Counts = {
+    (DECISIONS, ("everywhere", "allowed")): 3,
+    (DECISIONS, ("everywhere", "denied")): 2,
+    (DENY_CACHE_HITS, ("everywhere",)): 1,
+    (STORE_LATENCY, ("ok",)): 4,
+    (BREAKER_STATE, ()): 0,
+}
+
 API = Policy("api", "2/minute")  # the limiter's failure mode: open
 OTHER = Policy("other", "5/minute", failure_mode="closed")
 
@@ -112,6 +180,13 @@ def build(metrics: Metrics) -> tuple[Limiter, SwitchableStorage, CircuitBreaker,
     return limiter, storage, breaker, breaker_clock
 
 
+def recover(limiter: Limiter, breaker: CircuitBreaker) -> None:
+    """Two good probes on a half-open breaker close it."""
+    assert limiter.hit(API, "g").reason is None
+    assert limiter.hit(API, "g").reason is None
+    assert breaker.state is BreakerState.CLOSED
+
+
 def test_prometheus_samples_are_exact():
     registry = CollectorRegistry()
     limiter, storage, breaker, breaker_clock = build(PrometheusMetrics(registry=registry))
@@ -125,46 +200,16 @@ def test_prometheus_samples_are_exact():
         assert breaker.state is BreakerState.OPEN
         assert storage.calls == 6
 
-        expected = {
-            key("ratekeeper_decisions_total", policy="api", outcome="allowed"): 4.0,
-            key("ratekeeper_decisions_total", policy="api", outcome="denied"): 5.0,
-            key("ratekeeper_decisions_total", policy="other", outcome="allowed"): 1.0,
-            key("ratekeeper_decisions_total", policy="other", outcome="denied"): 2.0,
-            key("ratekeeper_degraded_decisions_total", policy="api", reason="unavailable/open"): 1,
-            key("ratekeeper_degraded_decisions_total", policy="api", reason="breaker_open/open"): 1,
-            key(
-                "ratekeeper_degraded_decisions_total", policy="other", reason="unavailable/closed"
-            ): 1,
-            key(
-                "ratekeeper_degraded_decisions_total", policy="other", reason="breaker_open/closed"
-            ): 1,
-            key("ratekeeper_deny_cache_hits_total", policy="api"): 4.0,
-            key("ratekeeper_store_latency_seconds_count", outcome="ok"): 4.0,
-            key("ratekeeper_store_latency_seconds_count", outcome="error"): 2.0,
-            key("ratekeeper_breaker_state"): 2.0,
-            key("ratekeeper_breaker_transitions_total", from_state="closed", to_state="open"): 1,
-        }
-        assert samples(registry) == expected
+        assert samples(registry) == prometheus(SCENARIO_COUNTS)
 
         # Recovery: half-open (state 1), two good probes, closed (state 0).
         storage.down = False
         breaker_clock.advance(1.0)
         assert breaker.state is BreakerState.HALF_OPEN
         assert registry.get_sample_value("ratekeeper_breaker_state") == 1.0
-        assert limiter.hit(API, "g").reason is None
-        assert limiter.hit(API, "g").reason is None
-        assert breaker.state is BreakerState.CLOSED
+        recover(limiter, breaker)
 
-    expected[key("ratekeeper_breaker_state")] = 0.0
-    expected[key("ratekeeper_decisions_total", policy="api", outcome="allowed")] += 2
-    expected[key("ratekeeper_store_latency_seconds_count", outcome="ok")] += 2
-    expected[
-        key("ratekeeper_breaker_transitions_total", from_state="open", to_state="half_open")
-    ] = 1.0
-    expected[
-        key("ratekeeper_breaker_transitions_total", from_state="half_open", to_state="closed")
-    ] = 1.0
-    assert samples(registry) == expected
+    assert samples(registry) == prometheus(RECOVERED_COUNTS)
     # The histogram's buckets add up: every call is in the +Inf bucket.
     for outcome, count in (("ok", 6.0), ("error", 2.0)):
         inf = registry.get_sample_value(
@@ -303,20 +348,27 @@ def test_a_partial_subclass_keeps_the_other_hooks_as_no_ops():
     assert breaker.state is BreakerState.OPEN
 
 
-def test_prometheus_on_every_backend(make_limiter: MakeLimiter, backend: str):
-    """memory://, Redis and Valkey, sync and async: 3 allowed, a store denial, a cached one."""
-    registry = CollectorRegistry()
-    options: dict[str, Any] = {"metrics": PrometheusMetrics(registry=registry)}
+def on_backend(make_limiter: MakeLimiter, backend: str, metrics: Metrics) -> None:
+    """The sequence BACKEND_COUNTS counts: 3 allowed, a store denial, a cached one."""
+    options: dict[str, Any] = {"metrics": metrics}
     if not backend.startswith("memory"):
         options.update(timeout=5, connect_timeout=5)  # this test is not about timeouts
     limiter = make_limiter(**options)
     policy = Policy("everywhere", "3/minute")
     reasons = [limiter.hit(policy, "a").reason for _ in range(5)]
     assert reasons == [None, None, None, None, "deny_cache"]
-    assert samples(registry) == {
-        key("ratekeeper_decisions_total", policy="everywhere", outcome="allowed"): 3.0,
-        key("ratekeeper_decisions_total", policy="everywhere", outcome="denied"): 2.0,
-        key("ratekeeper_deny_cache_hits_total", policy="everywhere"): 1.0,
-        key("ratekeeper_store_latency_seconds_count", outcome="ok"): 4.0,
-        key("ratekeeper_breaker_state"): 0.0,
-    }
+
+
+def test_prometheus_on_every_backend(make_limiter: MakeLimiter, backend: str):
+    """memory://, Redis and Valkey, sync and async."""
+    registry = CollectorRegistry()
+    on_backend(make_limiter, backend, PrometheusMetrics(registry=registry))
+    assert samples(registry) == prometheus(BACKEND_COUNTS)
+
+
+def test_prometheus_without_prometheus_client_names_the_extra(monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setitem(sys.modules, "prometheus_client", None)  # import fails as if absent
+    with pytest.raises(
+        ConfigError, match=r"prometheus-client: pip install 'ratekeeper\[prometheus\]'"
+    ):
+        PrometheusMetrics(registry=CollectorRegistry())

@@ -1,18 +1,29 @@
-"""Metrics hooks, and an adapter for Prometheus (``pip install 'ratekeeper[prometheus]'``).
+"""Metrics hooks, and adapters for Prometheus and OpenTelemetry.
 
 Pass ``metrics=`` to a limiter: an object with the three methods of :class:`Metrics` (subclass it
 and override what you need). The limiter calls them after each decision, each store call and
 each breaker transition; nothing inside the algorithms is timed.
+
+:class:`PrometheusMetrics` (``pip install 'ratekeeper[prometheus]'``) and :class:`OTelMetrics`
+(``pip install 'ratekeeper[otel]'``) export the same instruments, listed once in
+:data:`INSTRUMENTS`, and count them by one rule (:class:`_Exporter`). Neither library is imported
+until its adapter is built.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal
 
 from ._breaker import BreakerState
 from ._decision import Decision
+from ._errors import ConfigError
 
-__all__ = ["Metrics", "PrometheusMetrics"]
+if TYPE_CHECKING:
+    from opentelemetry.metrics import Meter, MeterProvider
+
+__all__ = ["INSTRUMENTS", "Instrument", "Metrics", "OTelMetrics", "PrometheusMetrics"]
 
 
 class Metrics:
@@ -29,6 +40,62 @@ class Metrics:
         """When the circuit breaker changes state."""
 
 
+@dataclass(frozen=True, slots=True)
+class Instrument:
+    """One metric, as every adapter exports it.
+
+    ``prometheus`` and ``otel`` are the names after the namespace (``<ns>_`` and ``<ns>.``;
+    prometheus-client adds ``_total`` to counters). ``unit`` is the UCUM unit OpenTelemetry
+    records. ``labels`` are the Prometheus label names; OpenTelemetry attributes are the same
+    names under the namespace (``ratekeeper.policy``).
+
+    Kind ``state`` is the breaker's state, exported as each system expects it: Prometheus as a
+    gauge of the state's number (0 closed, 1 half-open, 2 open; no label), OpenTelemetry as an
+    UpDownCounter of breakers in each state, its one label naming the state (the pattern of
+    OpenTelemetry's ``db.client.connection.count``), which sums across limiters and instances.
+    """
+
+    kind: Literal["counter", "histogram", "state"]
+    prometheus: str
+    otel: str
+    unit: str
+    description: str
+    labels: tuple[str, ...] = ()
+
+    @property
+    def prometheus_labels(self) -> tuple[str, ...]:
+        """The Prometheus label names: none for the state, whose value is its number."""
+        return () if self.kind == "state" else self.labels
+
+
+DECISIONS = Instrument(
+    "counter", "decisions", "decisions", "{decision}", "Rate limit decisions",
+    ("policy", "outcome"),
+)  # fmt: skip
+DEGRADED = Instrument(
+    "counter", "degraded_decisions", "degraded_decisions", "{decision}",
+    "Decisions made by the failure mode, not the store", ("policy", "reason"),
+)  # fmt: skip
+DENY_CACHE_HITS = Instrument(
+    "counter", "deny_cache_hits", "deny_cache.hits", "{hit}",
+    "Hits answered by the local cache of exact denials", ("policy",),
+)  # fmt: skip
+STORE_LATENCY = Instrument(
+    "histogram", "store_latency_seconds", "store.duration", "s", "Wall time of store calls",
+    ("outcome",),
+)  # fmt: skip
+BREAKER_STATE = Instrument(
+    "state", "breaker_state", "breakers", "{breaker}", "Circuit breaker state", ("breaker.state",)
+)  # fmt: skip
+BREAKER_TRANSITIONS = Instrument(
+    "counter", "breaker_transitions", "breaker.transitions", "{transition}",
+    "Circuit breaker transitions", ("from_state", "to_state"),
+)  # fmt: skip
+
+#: Every instrument both adapters export; each adapter's docstring gives the names it exports.
+INSTRUMENTS = (DECISIONS, DEGRADED, DENY_CACHE_HITS, STORE_LATENCY, BREAKER_STATE,
+               BREAKER_TRANSITIONS)  # fmt: skip
+
 #: Histogram buckets for store latency, in seconds: 100 us to 1 s.
 LATENCY_BUCKETS = (
     0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 1.0,
@@ -37,8 +104,39 @@ LATENCY_BUCKETS = (
 _STATE_VALUES = {BreakerState.CLOSED: 0, BreakerState.HALF_OPEN: 1, BreakerState.OPEN: 2}
 
 
-class PrometheusMetrics(Metrics):
-    """Exports ratekeeper's metrics with ``prometheus-client``.
+class _Exporter(Metrics):
+    """What each hook counts, once for every adapter: they only write to their library."""
+
+    def _add(self, instrument: Instrument, values: tuple[str, ...]) -> None:
+        raise NotImplementedError
+
+    def _record(self, instrument: Instrument, values: tuple[str, ...], value: float) -> None:
+        raise NotImplementedError
+
+    def _set_state(self, old: BreakerState | None, new: BreakerState) -> None:
+        raise NotImplementedError
+
+    def decision(self, decision: Decision) -> None:
+        self._add(DECISIONS, (decision.policy, "allowed" if decision.allowed else "denied"))
+        if decision.degraded:
+            self._add(DEGRADED, (decision.policy, decision.reason or "unknown"))
+        elif decision.reason == "deny_cache":
+            self._add(DENY_CACHE_HITS, (decision.policy,))
+
+    def store_call(self, seconds: float, ok: bool) -> None:
+        self._record(STORE_LATENCY, ("ok" if ok else "error",), seconds)
+
+    def breaker_transition(self, old: BreakerState, new: BreakerState) -> None:
+        self._set_state(old, new)
+        self._add(BREAKER_TRANSITIONS, (old.value, new.value))
+
+
+def _missing(adapter: str, package: str, extra: str) -> ConfigError:
+    return ConfigError(f"{adapter} needs {package}: pip install 'ratekeeper[{extra}]'")
+
+
+class PrometheusMetrics(_Exporter):
+    """Exports :data:`INSTRUMENTS` with ``prometheus-client``, each named ``<ns>_<name>``:
 
     * ``<ns>_decisions_total{policy, outcome}``: outcome ``allowed`` or ``denied``
     * ``<ns>_degraded_decisions_total{policy, reason}``
@@ -46,54 +144,120 @@ class PrometheusMetrics(Metrics):
     * ``<ns>_store_latency_seconds{outcome}``: a histogram; outcome ``ok`` or ``error``
     * ``<ns>_breaker_state``: 0 closed, 1 half-open, 2 open
     * ``<ns>_breaker_transitions_total{from_state, to_state}``
+
+    ``registry`` defaults to prometheus-client's global one.
     """
 
     def __init__(self, registry: Any = None, namespace: str = "ratekeeper") -> None:
         try:
             import prometheus_client as prom
-        except ImportError as exc:  # pragma: no cover - only without the extra
-            from ._errors import ConfigError
-
-            raise ConfigError(
-                "PrometheusMetrics needs prometheus-client: pip install 'ratekeeper[prometheus]'"
-            ) from exc
+        except ImportError as exc:
+            raise _missing("PrometheusMetrics", "prometheus-client", "prometheus") from exc
         if registry is None:
             registry = prom.REGISTRY
-        self.decisions = prom.Counter(
-            "decisions", "Rate limit decisions.", ["policy", "outcome"],
-            namespace=namespace, registry=registry,
-        )  # fmt: skip
-        self.degraded = prom.Counter(
-            "degraded_decisions", "Decisions made by the failure mode, not the store.",
-            ["policy", "reason"], namespace=namespace, registry=registry,
-        )  # fmt: skip
-        self.deny_cache_hits = prom.Counter(
-            "deny_cache_hits", "Hits answered by the local cache of exact denials.",
-            ["policy"], namespace=namespace, registry=registry,
-        )  # fmt: skip
-        self.latency = prom.Histogram(
-            "store_latency_seconds", "Wall time of store calls.", ["outcome"],
-            buckets=LATENCY_BUCKETS, namespace=namespace, registry=registry,
-        )  # fmt: skip
-        self.breaker_state = prom.Gauge(
-            "breaker_state", "Circuit breaker state: 0 closed, 1 half-open, 2 open.",
-            namespace=namespace, registry=registry,
-        )  # fmt: skip
-        self.breaker_transitions = prom.Counter(
-            "breaker_transitions", "Circuit breaker transitions.", ["from_state", "to_state"],
-            namespace=namespace, registry=registry,
-        )  # fmt: skip
+        kind = {"counter": prom.Counter, "histogram": prom.Histogram, "state": prom.Gauge}
+        made: dict[Instrument, Any] = {}
+        for instrument in INSTRUMENTS:
+            options: dict[str, Any] = {"namespace": namespace, "registry": registry}
+            description = f"{instrument.description}."
+            if instrument.kind == "histogram":
+                options["buckets"] = LATENCY_BUCKETS
+            elif instrument.kind == "state":
+                description = f"{instrument.description}: 0 closed, 1 half-open, 2 open."
+            made[instrument] = kind[instrument.kind](
+                instrument.prometheus, description, instrument.prometheus_labels, **options
+            )
+        self._made = made
+        self.decisions = made[DECISIONS]
+        self.degraded = made[DEGRADED]
+        self.deny_cache_hits = made[DENY_CACHE_HITS]
+        self.latency = made[STORE_LATENCY]
+        self.breaker_state = made[BREAKER_STATE]
+        self.breaker_transitions = made[BREAKER_TRANSITIONS]
 
-    def decision(self, decision: Decision) -> None:
-        self.decisions.labels(decision.policy, "allowed" if decision.allowed else "denied").inc()
-        if decision.degraded:
-            self.degraded.labels(decision.policy, decision.reason or "unknown").inc()
-        elif decision.reason == "deny_cache":
-            self.deny_cache_hits.labels(decision.policy).inc()
+    def _add(self, instrument: Instrument, values: tuple[str, ...]) -> None:
+        self._made[instrument].labels(*values).inc()
 
-    def store_call(self, seconds: float, ok: bool) -> None:
-        self.latency.labels("ok" if ok else "error").observe(seconds)
+    def _record(self, instrument: Instrument, values: tuple[str, ...], value: float) -> None:
+        self._made[instrument].labels(*values).observe(value)
 
-    def breaker_transition(self, old: BreakerState, new: BreakerState) -> None:
+    def _set_state(self, old: BreakerState | None, new: BreakerState) -> None:
         self.breaker_state.set(_STATE_VALUES[new])
-        self.breaker_transitions.labels(old.value, new.value).inc()
+
+
+class OTelMetrics(_Exporter):
+    """Exports :data:`INSTRUMENTS` with the OpenTelemetry metrics API, each named
+    ``<ns>.<name>``, with attributes ``<ns>.<label>``:
+
+    * ``<ns>.decisions`` (counter, ``{decision}``): ``<ns>.policy``, ``<ns>.outcome``
+      (``allowed`` or ``denied``)
+    * ``<ns>.degraded_decisions`` (counter, ``{decision}``): ``<ns>.policy``, ``<ns>.reason``
+    * ``<ns>.deny_cache.hits`` (counter, ``{hit}``): ``<ns>.policy``
+    * ``<ns>.store.duration`` (histogram, ``s``): ``<ns>.outcome`` (``ok`` or ``error``);
+      the same bucket boundaries as Prometheus, given as advice the SDK's views may override
+    * ``<ns>.breakers`` (UpDownCounter, ``{breaker}``): ``<ns>.breaker.state`` (``closed``,
+      ``half_open`` or ``open``): the number of breakers in each state. Each adapter counts
+      one breaker, closed from the start; adapters on one provider add up, so one per limiter
+      shows how many limiters are open
+    * ``<ns>.breaker.transitions`` (counter, ``{transition}``): ``<ns>.from_state``,
+      ``<ns>.to_state``
+
+    The instruments come from ``meter`` if given, else from a meter named ``ratekeeper`` of
+    ``meter_provider``, by default the global provider (``opentelemetry.metrics``'s
+    ``set_meter_provider``; until one is set, the API's proxy forwards to it once it is).
+    """
+
+    def __init__(
+        self,
+        meter_provider: MeterProvider | None = None,
+        *,
+        meter: Meter | None = None,
+        namespace: str = "ratekeeper",
+    ) -> None:
+        try:
+            from opentelemetry import metrics as otel
+        except ImportError as exc:
+            raise _missing("OTelMetrics", "opentelemetry-api", "otel") from exc
+        from . import __version__
+
+        if meter is not None and meter_provider is not None:
+            raise ConfigError("OTelMetrics takes a meter_provider or a meter, not both")
+        if meter is None:
+            meter = otel.get_meter("ratekeeper", __version__, meter_provider=meter_provider)
+        self.meter = meter
+        self._namespace = namespace
+        made: dict[Instrument, Any] = {}
+        for instrument in INSTRUMENTS:
+            name = f"{namespace}.{instrument.otel}"
+            description = f"{instrument.description}."
+            if instrument.kind == "state":
+                description = f"{instrument.description}: the number of breakers in each state."
+            common = {"unit": instrument.unit, "description": description}
+            if instrument.kind == "counter":
+                made[instrument] = meter.create_counter(name, **common)
+            elif instrument.kind == "histogram":
+                made[instrument] = meter.create_histogram(
+                    name, explicit_bucket_boundaries_advisory=LATENCY_BUCKETS, **common
+                )
+            else:
+                made[instrument] = meter.create_up_down_counter(name, **common)
+        self._made = made
+        self._set_state(None, BreakerState.CLOSED)
+
+    def _attributes(self, instrument: Instrument, values: Iterable[str]) -> dict[str, str]:
+        return {
+            f"{self._namespace}.{label}": value
+            for label, value in zip(instrument.labels, values, strict=True)
+        }
+
+    def _add(self, instrument: Instrument, values: tuple[str, ...]) -> None:
+        self._made[instrument].add(1, self._attributes(instrument, values))
+
+    def _record(self, instrument: Instrument, values: tuple[str, ...], value: float) -> None:
+        self._made[instrument].record(value, self._attributes(instrument, values))
+
+    def _set_state(self, old: BreakerState | None, new: BreakerState) -> None:
+        breakers = self._made[BREAKER_STATE]
+        if old is not None:
+            breakers.add(-1, self._attributes(BREAKER_STATE, (old.value,)))
+        breakers.add(1, self._attributes(BREAKER_STATE, (new.value,)))
