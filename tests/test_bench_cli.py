@@ -154,6 +154,45 @@ def test_table_against_a_private_server(server: RedisServer) -> None:
     assert re.search(r"^\s*decisions/s\s+[1-9][\d,]*\s*$", result.stdout, re.MULTILINE)
 
 
+# -- the environment ----------------------------------------------------------------------------
+
+
+def test_environment_in_place_of_flags_and_a_flag_beats_it(server: RedisServer) -> None:
+    env = {
+        "RATEKEEPER_STORAGE_URL": server.url,
+        "RATEKEEPER_ALGORITHM": "fixed_window",
+        "RATEKEEPER_RATES": "5 per hour",
+        "RATEKEEPER_BENCH_KEYS": "10",
+        "RATEKEEPER_BENCH_MODE": "async",
+        "RATEKEEPER_BENCH_CONCURRENCY": "3",
+        "RATEKEEPER_BENCH_DURATION": "0.3",
+        "RATEKEEPER_BENCH_WARMUP": "0",
+        "RATEKEEPER_BENCH_DENY_CACHE": "false",
+        "RATEKEEPER_TIMEOUT": "2",
+        "RATEKEEPER_COST": "2",
+        "RATEKEEPER_JSON": "1",
+    }
+    result = CliRunner(env=env).invoke(main, ["bench", "--algorithm", "sliding_log"])
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    assert_sane(data)
+    assert (data["storage"], data["algorithm"], data["rates"]) == (
+        server.url, "sliding_log", ["5/hour"]
+    )  # fmt: skip
+    assert (data["mode"], data["concurrency"], data["keys"], data["cost"]) == ("async", 3, 10, 2)
+    assert (data["deny_cache"], data["deny_cache_hits"]) == (False, 0)
+    assert data["admitted"] == 10 * 2  # two hits of cost 2 fit in 5, per key
+
+
+def test_demo_reads_the_environment() -> None:
+    result = CliRunner(env={"RATEKEEPER_RATES": "10/", "RATEKEEPER_DEMO_DURATION": "5"}).invoke(
+        main, ["demo"]
+    )
+    assert_refused(result, 2, "Invalid value for '--rates'", "cannot parse rate '10/'")
+    result = CliRunner(env={"RATEKEEPER_DEMO_DURATION": "0"}).invoke(main, ["demo"])
+    assert_refused(result, 2, "Invalid value for '--duration'")
+
+
 # -- bad input ---------------------------------------------------------------------------------
 
 
