@@ -184,7 +184,10 @@ def render_decisions(
     cost: int,
 ) -> None:
     """The decisions as a table, one row per identity."""
-    table = Table(title=escape(f"{_title(action, policy, storage)}, cost {cost}"), box=box.SIMPLE)
+    console.print(
+        escape(f"{_title(action, policy, storage)}, cost {cost}"), highlight=False, soft_wrap=True
+    )
+    table = Table(box=box.SIMPLE)
     for column in ("identity", "decision", "limit", "remaining", "reset after", "retry after"):
         table.add_column(column, justify="left" if column in ("identity", "decision") else "right")
     for identity, d in zip(identities, decisions, strict=True):
@@ -203,7 +206,7 @@ def render_reset(
     console: Console, policy: Policy, storage: str, done: Sequence[tuple[str, tuple[str, ...]]]
 ) -> None:
     """One line per identity reset, with the keys deleted."""
-    console.print(escape(_title("reset", policy, storage)), highlight=False)
+    console.print(escape(_title("reset", policy, storage)), highlight=False, soft_wrap=True)
     for identity, keys in done:
         console.print(
             escape(f"reset {identity!r}: deleted {', '.join(keys)}"),
