@@ -369,6 +369,7 @@ EXPECTED_ALL = {
     "ManualClock",
     "Policy",
     "Rate",
+    "RateLimited",
     "RatekeeperError",
     "RequestRejected",
     "StorageError",

@@ -492,3 +492,63 @@ def threaded_leases(
         totals[name] = sum(getattr(body.counts, name) for body in bodies)
     totals["max_seen"] = max(body.counts.max_seen for body in bodies)
     queue.put(totals)
+
+
+# --- Waiting --------------------------------------------------------------------------------------
+
+
+class _StampedLimiter(Limiter):
+    """A Limiter that notes when it sent its last hit (``limiter.wait`` calls ``self.hit``)."""
+
+    sent = 0.0
+
+    def hit(self, policy: Policy, identity: Any, cost: int = 1) -> Any:
+        import time
+
+        self.sent = time.time()
+        return super().hit(policy, identity, cost)
+
+
+def waiting_calls(
+    *,
+    url: str,
+    key_prefix: str,
+    policy_name: str,
+    rates: str,
+    identity: str,
+    tickets: Any,
+    barrier: Any,
+    queue: Any,
+) -> None:
+    """One caller takes tickets (a shared ``multiprocessing.Value('i')`` counting the calls
+    left to make, as from a job queue) until none is left, and makes one call per ticket, each
+    after ``limiter.wait(policy, identity)``.
+
+    ``barrier`` has one party per process. Reports ``admissions``: for each call, the wall
+    time (``time.time``, the clock a local store's ``TIME`` reads) just before the admitting
+    hit was sent and just after it returned, so the store's admission time lies between them;
+    ``started``: when this process passed the barrier.
+    """
+    import time
+
+    policy = Policy(policy_name, rates)
+    admissions: list[tuple[float, float]] = []
+    errors: list[str] = []
+    started = 0.0
+    try:
+        with _StampedLimiter.from_url(url, **exact_options(key_prefix)) as limiter:
+            limiter.peek(policy, identity)  # connect and load the script, consuming nothing
+            barrier.wait(BARRIER_TIMEOUT)
+            started = time.time()
+            while True:
+                with tickets.get_lock():
+                    if tickets.value == 0:
+                        break
+                    tickets.value -= 1
+                decision = limiter.wait(policy, identity, timeout=60)
+                admissions.append((limiter.sent, time.time()))
+                if not decision.allowed or decision.degraded:
+                    errors.append(f"wait returned {decision!r}")
+    except Exception as exc:
+        errors.append(repr(exc))
+    queue.put({"pid": os.getpid(), "admissions": admissions, "started": started, "errors": errors})

@@ -8,6 +8,7 @@ from ._decision import Decision
 from ._errors import (
     ConfigError,
     RatekeeperError,
+    RateLimited,
     RequestRejected,
     StorageError,
     StorageResponseError,
@@ -32,6 +33,7 @@ __all__ = [
     "ManualClock",
     "Policy",
     "Rate",
+    "RateLimited",
     "RatekeeperError",
     "RequestRejected",
     "StorageError",

@@ -4,6 +4,8 @@ Every error is a :class:`RatekeeperError`::
 
     RatekeeperError
     ├── ConfigError (also a ValueError)     bad rates, policies, costs, identities, URLs, options
+    ├── RateLimited                         denied, and not waiting (any longer): ``.decision``
+    │                                       is the last denial, with its ``retry_after``
     ├── RequestRejected                     the store refused this request itself: CROSSSLOT, a
     │                                       script error, WRONGTYPE. A bug or bad input, so it is
     │                                       always raised, never failed open
@@ -20,8 +22,14 @@ Errors of the store's client library never escape: they are translated where the
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ._decision import Decision
+
 __all__ = [
     "ConfigError",
+    "RateLimited",
     "RatekeeperError",
     "RequestRejected",
     "StorageError",
@@ -37,6 +45,29 @@ class RatekeeperError(Exception):
 
 class ConfigError(RatekeeperError, ValueError):
     """A rate, policy, cost, identity, URL or option is invalid."""
+
+
+class RateLimited(RatekeeperError):
+    """A request was denied and the caller does not wait (any longer) for it to pass.
+
+    Raised by ``wait`` when the timeout would pass before the next try, or at once when the
+    cost can never pass (``retry_after == math.inf``); by the ``limit`` decorator and the httpx
+    transports when they do not wait. ``decision`` is the last denial.
+    """
+
+    def __init__(self, decision: Decision) -> None:
+        retry = decision.retry_after
+        if retry is None:
+            wait = "no retry_after"
+        elif retry == float("inf"):
+            wait = "the cost can never pass"
+        else:
+            wait = f"retry in {retry:.3f} s"
+        super().__init__(f"rate limited by policy {decision.policy!r} ({wait})")
+        self.decision = decision
+
+    def __reduce__(self) -> tuple[type[RateLimited], tuple[Decision]]:
+        return (type(self), (self.decision,))
 
 
 class RequestRejected(RatekeeperError):

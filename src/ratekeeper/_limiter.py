@@ -190,6 +190,20 @@ class Limiter(_Base):
     ) -> None:
         self.close()
 
+    def wait(
+        self, policy: Policy, identity: Identity, cost: int = 1, *, timeout: float | None = None
+    ) -> Decision:
+        """Hit until admitted and return the admitting decision, sleeping the exact
+        ``retry_after`` of each denial plus jitter (up to 10%, at most 1 s).
+
+        Raises :class:`RateLimited` (``.decision``: the last denial) as soon as the next try
+        would come after ``timeout`` seconds (None: wait as long as it takes), and at once when
+        the cost can never pass. See ``ratekeeper._wait`` for the rule.
+        """
+        from ._wait import wait_sync
+
+        return wait_sync(self, policy, identity, cost, timeout)
+
 
 class AsyncLimiter(_Base):
     """Decides whether an identity may spend ``cost`` under a policy, on asyncio.
@@ -276,3 +290,11 @@ class AsyncLimiter(_Base):
         tb: TracebackType | None,
     ) -> None:
         await self.close()
+
+    async def wait(
+        self, policy: Policy, identity: Identity, cost: int = 1, *, timeout: float | None = None
+    ) -> Decision:
+        """:meth:`Limiter.wait` on asyncio: ``await limiter.wait(policy, identity)``."""
+        from ._wait import wait_async
+
+        return await wait_async(self, policy, identity, cost, timeout)
