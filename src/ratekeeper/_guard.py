@@ -23,11 +23,18 @@ from collections.abc import Callable
 from dataclasses import replace
 
 from ._algorithms import HIT, RELEASE
-from ._breaker import CircuitBreaker
+from ._breaker import BreakerState, CircuitBreaker
 from ._clock import Clock
-from ._core import Call, Core
+from ._core import _TOKENS, Call, Core
 from ._decision import Decision, make_decision
-from ._errors import ConfigError, StorageError, StorageTimeout, StorageUnavailable
+from ._errors import (
+    ConfigError,
+    RequestRejected,
+    StorageError,
+    StorageTimeout,
+    StorageUnavailable,
+)
+from ._fleet import AutoShare, Fleet, check_local_share
 from ._policy import FAILURE_MODES, Policy
 from ._rates import Rate
 from ._storage.memory import MemoryStorage
@@ -38,6 +45,9 @@ __all__ = ["DEFAULT_DENY_CACHE_SIZE", "Guard"]
 log = logging.getLogger("ratekeeper")
 
 DEFAULT_DENY_CACHE_SIZE = 10_000
+#: Scaled policies kept for the local fallback (one per policy and share; a fleet count
+#: that changes adds one).
+_MAX_LOCAL_POLICIES = 1024
 
 #: Algorithms whose retry_after is a lower bound of the true wait whatever other clients do
 #: (they can only add load), and exact when no one else hits the key. Concurrency leases can
@@ -143,7 +153,7 @@ class Guard:
         core: Core,
         *,
         failure_mode: str = "open",
-        local_share: float = 1.0,
+        local_share: float | str | AutoShare = 1.0,
         breaker: CircuitBreaker | None = None,
         deny_cache: int = DEFAULT_DENY_CACHE_SIZE,
         metrics: Metrics | None = None,
@@ -154,12 +164,7 @@ class Guard:
                 f"failure_mode {failure_mode!r} is unknown: "
                 f"choose one of {', '.join(FAILURE_MODES)}"
             )
-        if (
-            isinstance(local_share, bool)
-            or not isinstance(local_share, (int, float))
-            or not 0 < local_share <= 1
-        ):
-            raise ConfigError(f"local_share must be in (0, 1], got {local_share!r}")
+        share = check_local_share(local_share)
         if isinstance(deny_cache, bool) or not isinstance(deny_cache, int) or deny_cache < 0:
             raise ConfigError(
                 f"deny_cache must be an int >= 0 (0 turns it off), got {deny_cache!r}"
@@ -168,7 +173,7 @@ class Guard:
             raise ConfigError(f"breaker must be a CircuitBreaker, got {type(breaker).__name__}")
         self.core = core
         self.failure_mode = failure_mode
-        self.local_share = float(local_share)
+        self.local_share = share
         self.breaker = breaker if breaker is not None else CircuitBreaker()
         self.metrics = metrics if metrics is not None else Metrics()
         self.breaker.add_listener(self.metrics.breaker_transition)
@@ -176,8 +181,18 @@ class Guard:
         self._clock_us = _micros(clock if clock is not None else time.monotonic)
         self._deny = _DenyCache(deny_cache, self._clock_us) if deny_cache else None
         self._local: MemoryStorage | None = None
-        self._local_policies: dict[Policy, Policy] = {}
+        self._local_policies: dict[tuple[Policy, float], Policy | None] = {}
         self._log = _Throttled()
+        #: With ``local_share="auto"``: this limiter's heartbeats and the fleet count.
+        self.fleet: Fleet | None = None
+        if isinstance(share, AutoShare):
+            self.fleet = Fleet(
+                core.keys.fleet_key(),
+                share,
+                clock_us=self._clock_us,
+                client_time=clock is not None,
+                new_id=_TOKENS.next,
+            )
 
     # -- the flow ------------------------------------------------------------------------
 
@@ -249,6 +264,31 @@ class Guard:
         self.breaker.record(True, elapsed)
         self.metrics.store_call(elapsed, True)
 
+    # -- fleet heartbeats (local_share="auto"; driven by ``_fleet.heartbeat_*``) ---------------
+
+    def beat_allowed(self) -> bool:
+        """Heartbeats go only to a store the breaker trusts: never as a half-open probe."""
+        return self.breaker.state is BreakerState.CLOSED
+
+    def beat_succeeded(self, started: float) -> None:
+        elapsed = time.perf_counter() - started
+        self.breaker.record(True, elapsed)
+        self.metrics.store_call(elapsed, True)
+
+    def beat_failed(self, exc: StorageError | RequestRejected, started: float) -> None:
+        """A failed heartbeat: one failed store call for the breaker and the metrics, logged at
+        the bounded rate; never raised (the caller's decision is already made). A rejected one
+        (someone wrote another type to the fleet key) means the store is up: logged as an error,
+        and the count stays as it was."""
+        elapsed = time.perf_counter() - started
+        rejected = isinstance(exc, RequestRejected)
+        self.breaker.record(rejected, elapsed)
+        self.metrics.store_call(elapsed, rejected)
+        if rejected:
+            log.error("ratekeeper: the store rejected a fleet heartbeat: %s", exc)
+        else:
+            self._log.warn("heartbeat", f"ratekeeper: a fleet heartbeat failed: {exc}")
+
     def forget(self, keys: tuple[str, ...]) -> None:
         """After a reset: drop cached denials of these keys, here and in the local fallback."""
         if self._deny is not None:
@@ -279,11 +319,15 @@ class Guard:
             decision = self._degraded(policy, rate, False, wait, f"{reason}/closed")
         else:
             local = self._local_call(call)
-            assert self._local is not None
-            reply = self._local.run(local.script, local.keys, local.args)
-            decision = replace(
-                self.core.decide(local, reply), degraded=True, reason=f"{reason}/local"
-            )
+            if local is None:  # no fleet count yet, or a share of 0: deny, as closed does
+                wait = self.breaker.retry_after() or self.breaker.open_for
+                decision = self._degraded(policy, rate, False, wait, f"{reason}/local")
+            else:
+                assert self._local is not None
+                reply = self._local.run(local.script, local.keys, local.args)
+                decision = replace(
+                    self.core.decide(local, reply), degraded=True, reason=f"{reason}/local"
+                )
         self._log.warn(
             reason,
             f"ratekeeper: the store could not decide ({reason}"
@@ -309,24 +353,49 @@ class Guard:
             reason=reason,
         )
 
-    def _local_call(self, call: Call) -> Call:
+    def _local_call(self, call: Call) -> Call | None:
+        """``call`` on the in-process limiter at this instance's share of each limit; None
+        when that share is nothing (an auto share with no fleet count yet, or a limit smaller
+        than the fleet)."""
         if self._local is None:
             self._local = MemoryStorage()
         policy = call.policy
-        local = self._local_policies.get(policy)
-        if local is None:
-            share = self.local_share
-            rates = [Rate(max(1, math.floor(r.limit * share)), r.period) for r in policy.rates]
+        if self.fleet is None:
+            assert isinstance(self.local_share, float)
+            share: float = self.local_share
+        else:
+            count = self.fleet.count
+            if count is None:
+                return None
+            share = count
+        try:
+            local = self._local_policies[policy, share]
+        except KeyError:
+            local = self._local_policies[policy, share] = self._scaled(policy, share)
+        return None if local is None else self.core.rebind(call, local)
+
+    def _scaled(self, policy: Policy, share: float) -> Policy | None:
+        """``policy`` with each limit (and burst) scaled: a float share of it, at least 1; or,
+        for an auto share (``share`` an int, the fleet count), ``limit // count``, so that the
+        fleet never grants more than the limit in all (None if a limit rounds to 0)."""
+        if isinstance(share, int):
+            count = share
+            limits = [r.limit // count for r in policy.rates]
+            burst = None if policy.burst is None else policy.burst // count
+            if min(limits) == 0 or burst == 0:
+                return None
+        else:
+            limits = [max(1, math.floor(r.limit * share)) for r in policy.rates]
             burst = None if policy.burst is None else max(1, math.floor(policy.burst * share))
-            local = Policy(
-                policy.name,
-                rates,
-                policy.algorithm,
-                burst=burst,
-                max_log_entries=policy.max_log_entries,
-            )
-            self._local_policies[policy] = local
-        return self.core.rebind(call, local)
+        if len(self._local_policies) >= _MAX_LOCAL_POLICIES:
+            self._local_policies.clear()
+        return Policy(
+            policy.name,
+            [Rate(limit, r.period) for limit, r in zip(limits, policy.rates, strict=True)],
+            policy.algorithm,
+            burst=burst,
+            max_log_entries=policy.max_log_entries,
+        )
 
     def _log_transition(self, old: object, new: object) -> None:
         log.warning("ratekeeper: circuit breaker %s -> %s", old, new)

@@ -85,6 +85,12 @@ class KeyBuilder:
         h.update(identity_bytes(identity))
         return urlsafe_b64encode(h.digest()).rstrip(b"=").decode("ascii")
 
+    def fleet_key(self) -> str:
+        """The sorted set of live instances with ``local_share="auto"`` under this prefix:
+        ``<prefix>:{fleet}``. No policy key has this shape (theirs have a policy segment and
+        a 22-character tag), and it is one key, so any cluster slot will do."""
+        return f"{self.prefix}:{{fleet}}"
+
     def keys(
         self, policy_name: str, identity: Identity, suffixes: tuple[str, ...]
     ) -> tuple[str, ...]:

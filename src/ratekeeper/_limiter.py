@@ -15,6 +15,7 @@ from ._clock import Clock
 from ._core import Call, Core
 from ._decision import Decision
 from ._errors import RequestRejected, StorageError
+from ._fleet import heartbeat_async, heartbeat_sync
 from ._guard import DEFAULT_DENY_CACHE_SIZE, Guard
 from ._keys import DEFAULT_KEY_PREFIX, Identity
 from ._lease import Acquiring, AsyncLease, Lease
@@ -138,7 +139,10 @@ class Limiter(_Base):
         except RequestRejected:
             guard.rejected(started)
             raise
-        return guard.succeeded(call, reply, started)
+        decision = guard.succeeded(call, reply, started)
+        if guard.fleet is not None:  # local_share="auto": a heartbeat when one is due
+            heartbeat_sync(guard, self.storage)
+        return decision
 
     def hit(self, policy: Policy, identity: Identity, cost: int = 1) -> Decision:
         """Consume ``cost`` if every rate of ``policy`` admits it; otherwise change nothing."""
@@ -237,6 +241,8 @@ class AsyncLimiter(_Base):
         except RequestRejected:
             guard.rejected(started)
             raise
+        if guard.fleet is not None:  # local_share="auto": a heartbeat task when one is due
+            heartbeat_async(guard, self.storage)
         return guard.succeeded(call, reply, started)
 
     async def hit(self, policy: Policy, identity: Identity, cost: int = 1) -> Decision:

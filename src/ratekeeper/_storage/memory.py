@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import threading
 
-from .._algorithms import ALGORITHMS, decode_args
+from .._algorithms import ALGORITHMS, decode_args, fleet
 from .._clock import Clock, system_clock
 from .._keyspace import Keyspace
 from .._scripts import Script
@@ -16,6 +16,7 @@ from .._scripts import Script
 __all__ = ["AsyncMemoryStorage", "MemoryStorage"]
 
 _BY_SCRIPT = {algorithm.script: algorithm.reference for algorithm in ALGORITHMS.values()}
+_BY_SCRIPT[fleet.SCRIPT] = fleet.reference  # the local_share="auto" heartbeat
 
 
 class MemoryStorage:
