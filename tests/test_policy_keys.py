@@ -357,6 +357,7 @@ def test_clock_must_be_callable() -> None:
 # -- public surface --------------------------------------------------------------------------
 
 EXPECTED_ALL = {
+    "Algorithm",
     "AsyncLease",
     "AsyncLimiter",
     "BreakerState",
@@ -364,6 +365,7 @@ EXPECTED_ALL = {
     "Clock",
     "ConfigError",
     "Decision",
+    "FailureMode",
     "Lease",
     "Limiter",
     "ManualClock",

@@ -19,8 +19,10 @@ from ._lease import AsyncLease, Lease
 from ._limiter import AsyncLimiter, Limiter
 from ._policy import Policy
 from ._rates import Rate, parse_rates
+from .typing import Algorithm, FailureMode
 
 __all__ = [
+    "Algorithm",
     "AsyncLease",
     "AsyncLimiter",
     "BreakerState",
@@ -28,6 +30,7 @@ __all__ = [
     "Clock",
     "ConfigError",
     "Decision",
+    "FailureMode",
     "Lease",
     "Limiter",
     "ManualClock",

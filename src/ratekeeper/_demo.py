@@ -9,6 +9,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import cast
 
 from rich.console import Console
 from rich.table import Table
@@ -17,6 +18,7 @@ from ._clock import ManualClock
 from ._decision import Decision
 from ._limiter import Limiter
 from ._policy import Policy
+from .typing import Algorithm
 
 __all__ = ["CLIENTS", "ClientStats", "run_demo"]
 
@@ -55,7 +57,7 @@ def run_demo(
     storage: str, rates: str, algorithm: str, duration: float, console: Console
 ) -> dict[str, ClientStats]:
     """Simulate ``duration`` virtual seconds and print what each client got."""
-    policy = Policy("demo", rates, algorithm)
+    policy = Policy("demo", rates, cast("Algorithm", algorithm))  # checked there
     clock = ManualClock(time.time())
     stats = {client.name: ClientStats() for client in CLIENTS}
     started = time.perf_counter()

@@ -7,8 +7,11 @@ to their storage and its reply or error back.
 
 from __future__ import annotations
 
+import logging
+import os
+import threading
 from types import TracebackType
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 from ._breaker import CircuitBreaker
 from ._clock import Clock
@@ -20,22 +23,39 @@ from ._guard import DEFAULT_DENY_CACHE_SIZE, Guard
 from ._keys import DEFAULT_KEY_PREFIX, Identity
 from ._lease import Acquiring, AsyncLease, Lease
 from ._policy import Policy
-from ._storage import AsyncStorage, SyncStorage, open_async, open_sync
+from ._storage import (
+    AsyncStorage,
+    SyncStorage,
+    open_async,
+    open_client_async,
+    open_client_sync,
+    open_sync,
+)
 from .metrics import Metrics
+from .typing import FailureMode, LocalShare
 
-__all__ = ["AsyncLimiter", "Limiter"]
+__all__ = ["STORAGE_URL_VARIABLE", "AsyncLimiter", "Limiter"]
+
+log = logging.getLogger("ratekeeper")
+
+#: Where ``from_url()`` without a URL finds one.
+STORAGE_URL_VARIABLE = "RATEKEEPER_STORAGE_URL"
+
+_S = TypeVar("_S", SyncStorage, AsyncStorage)
 
 
-class _Base:
-    """What both limiters hold: the core, the guard, and the options that configure them."""
+class _Base(Generic[_S]):
+    """What both limiters hold: the storage, the core, the guard, and the options that
+    configure them (described in :meth:`Limiter.from_url`)."""
 
     def __init__(
         self,
+        storage: _S,
         *,
         key_prefix: str = DEFAULT_KEY_PREFIX,
         clock: Clock | None = None,
-        failure_mode: str = "open",
-        local_share: float = 1.0,
+        failure_mode: FailureMode = "open",
+        local_share: LocalShare = 1.0,
         breaker: CircuitBreaker | None = None,
         deny_cache: int = DEFAULT_DENY_CACHE_SIZE,
         metrics: Metrics | None = None,
@@ -50,6 +70,7 @@ class _Base:
             metrics=metrics,
             clock=clock,
         )
+        self.storage: _S = storage
 
     @property
     def breaker(self) -> CircuitBreaker:
@@ -61,46 +82,98 @@ class _Base:
         return self._core.reset_keys(policy, identity)
 
 
-_LIMITER_OPTIONS = frozenset(
-    {"key_prefix", "clock", "failure_mode", "local_share", "breaker", "deny_cache", "metrics"}
-)
+_fallback_lock = threading.Lock()
+_fallback_warned = False
 
 
-def _split(options: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(limiter options, storage options).
+def _storage_url(url: str | None) -> str:
+    """``url``; without one, ``$RATEKEEPER_STORAGE_URL`` (unset or empty: not given); without
+    that, ``memory://``, with a warning the first time in a process."""
+    global _fallback_warned
+    if url is not None:
+        return url
+    from_env = os.environ.get(STORAGE_URL_VARIABLE, "")
+    if from_env:
+        return from_env
+    with _fallback_lock:
+        warn, _fallback_warned = not _fallback_warned, True
+    if warn:
+        log.warning(
+            "ratekeeper: no storage URL given and %s is not set: using memory://, whose "
+            "limits are per process (each process admits the whole limit)",
+            STORAGE_URL_VARIABLE,
+        )
+    return "memory://"
 
-    A call is slow for the default breaker when it takes longer than the store ``timeout``
-    the user chose (20 ms by default): a patient limiter is not tripped by calls it waits for.
-    """
-    mine = {k: v for k, v in options.items() if k in _LIMITER_OPTIONS}
-    theirs = {k: v for k, v in options.items() if k not in _LIMITER_OPTIONS}
-    timeout = theirs.get("timeout")
+
+def _redis_options(
+    timeout: float | None,
+    connect_timeout: float | None,
+    max_connections: int | None,
+    redis_options: dict[str, Any] | None,
+) -> dict[str, Any]:
+    """The store options given (None: not given), for the storage to check and apply:
+    ``memory://`` refuses any, a Redis URL fills in its defaults."""
+    given = {
+        "timeout": timeout,
+        "connect_timeout": connect_timeout,
+        "max_connections": max_connections,
+        "redis_options": redis_options,
+    }
+    return {name: value for name, value in given.items() if value is not None}
+
+
+def _default_breaker(
+    breaker: CircuitBreaker | None, timeout: float | None
+) -> CircuitBreaker | None:
+    """The user's breaker; else, when a store ``timeout`` is given, one whose slow calls are
+    those past it: a patient limiter is not tripped by calls it waits for (None: the default
+    breaker, slow past the default 20 ms timeout). A bad timeout is left to the storage's
+    check."""
     if (
-        "breaker" not in mine
+        breaker is None
         and isinstance(timeout, (int, float))
         and not isinstance(timeout, bool)
         and timeout > 0
     ):
-        mine["breaker"] = CircuitBreaker(slow_call=float(timeout))
-    return mine, theirs
+        return CircuitBreaker(slow_call=float(timeout))
+    return breaker
 
 
-class Limiter(_Base):
+class Limiter(_Base[SyncStorage]):
     """Decides whether an identity may spend ``cost`` under a policy, blocking.
 
     >>> limiter = Limiter.from_url("memory://")
     >>> policy = Policy("api", "2/second")
     >>> [limiter.hit(policy, "alice").allowed for _ in range(3)]
     [True, True, False]
+
+    ``Limiter(storage, **options)`` takes a storage already opened; :meth:`from_url` and
+    :meth:`from_client` open one, and describe the options.
     """
 
-    def __init__(self, storage: SyncStorage, **options: Any) -> None:
-        super().__init__(**options)
-        self.storage = storage
-
     @classmethod
-    def from_url(cls, url: str = "memory://", **options: Any) -> Limiter:
-        """A limiter on ``memory://``, ``redis://``, ``rediss://`` or ``unix://``.
+    def from_url(
+        cls,
+        url: str | None = None,
+        *,
+        key_prefix: str = DEFAULT_KEY_PREFIX,
+        clock: Clock | None = None,
+        failure_mode: FailureMode = "open",
+        local_share: LocalShare = 1.0,
+        breaker: CircuitBreaker | None = None,
+        deny_cache: int = DEFAULT_DENY_CACHE_SIZE,
+        metrics: Metrics | None = None,
+        timeout: float | None = None,
+        connect_timeout: float | None = None,
+        max_connections: int | None = None,
+        redis_options: dict[str, Any] | None = None,
+    ) -> Limiter:
+        """A limiter on ``memory://``, ``redis://``, ``rediss://``, ``unix://``,
+        ``redis+cluster://`` or ``redis+sentinel://`` (``valkey`` may replace ``redis``).
+
+        Without a URL, the one in the ``RATEKEEPER_STORAGE_URL`` environment variable; without
+        that, ``memory://``, and a warning (once per process) that its limits are per process.
 
         Options, all keyword-only:
 
@@ -116,15 +189,78 @@ class Limiter(_Base):
           whose ``slow_call`` is the ``timeout`` below when one is given).
         * ``deny_cache``: entries in the local cache of exact denials (default 10,000; 0 = off).
         * ``metrics``: a :class:`ratekeeper.metrics.Metrics` hook.
-        * Redis URLs also take ``timeout`` (seconds per call, default 0.02),
-          ``connect_timeout`` (default 0.02), ``max_connections`` and ``redis_options`` (a
-          dict passed to redis-py).
+
+        Redis and Valkey URLs also take (``memory://`` refuses them; None: the default):
+
+        * ``timeout``: seconds to wait for each reply (default 0.02).
+        * ``connect_timeout``: seconds to wait for a new connection (default 0.02).
+        * ``max_connections``: the size of the connection pool (default: redis-py's).
+        * ``redis_options``: a dict of further keyword arguments for the redis-py client.
+
+        A bad value is a ConfigError naming it; an unknown option a TypeError naming it.
         """
-        mine, storage_options = _split(options)
-        limiter = cls.__new__(cls)
-        _Base.__init__(limiter, **mine)  # validate before connecting
-        limiter.storage = open_sync(url, clock=mine.get("clock"), **storage_options)
-        return limiter
+        storage = open_sync(
+            _storage_url(url),
+            clock=clock,
+            **_redis_options(timeout, connect_timeout, max_connections, redis_options),
+        )
+        try:
+            return cls(
+                storage,
+                key_prefix=key_prefix,
+                clock=clock,
+                failure_mode=failure_mode,
+                local_share=local_share,
+                breaker=_default_breaker(breaker, timeout),
+                deny_cache=deny_cache,
+                metrics=metrics,
+            )
+        except BaseException:
+            storage.close()  # connects on first use: nothing was sent
+            raise
+
+    @classmethod
+    def from_client(
+        cls,
+        client: Any,
+        *,
+        key_prefix: str = DEFAULT_KEY_PREFIX,
+        clock: Clock | None = None,
+        failure_mode: FailureMode = "open",
+        local_share: LocalShare = 1.0,
+        breaker: CircuitBreaker | None = None,
+        deny_cache: int = DEFAULT_DENY_CACHE_SIZE,
+        metrics: Metrics | None = None,
+    ) -> Limiter:
+        """A limiter on your own redis-py client: ``redis.Redis`` (Sentinel-managed or not:
+        ``Sentinel.master_for(...)``) or ``redis.cluster.RedisCluster``. valkey-py clients are
+        not accepted; ``redis.Redis`` speaks to Valkey.
+
+        The client is used as you configured it: its connection pool, timeouts, retries, TLS
+        and credentials; ratekeeper changes nothing on it, and :meth:`close` leaves it open
+        (closing it is yours). A configuration that gives up one of ratekeeper's guarantees
+        (no ``socket_timeout``, redis-py's cluster client resending a timed-out script) is
+        logged once as a warning. The wrong kind of client is a ConfigError.
+
+        The options are those of :meth:`from_url`, without the store options (your client has
+        them). The default breaker counts a call slow past 20 ms; pass
+        ``breaker=CircuitBreaker(slow_call=...)`` to match a longer ``socket_timeout``.
+        """
+        storage = open_client_sync(client)
+        try:
+            return cls(
+                storage,
+                key_prefix=key_prefix,
+                clock=clock,
+                failure_mode=failure_mode,
+                local_share=local_share,
+                breaker=breaker,
+                deny_cache=deny_cache,
+                metrics=metrics,
+            )
+        except BaseException:
+            storage.close()  # gives nothing back: the client stays as it was
+            raise
 
     def _run(self, call: Call) -> Decision:
         guard = self._guard
@@ -209,24 +345,81 @@ class Limiter(_Base):
         return wait_sync(self, policy, identity, cost, timeout)
 
 
-class AsyncLimiter(_Base):
+class AsyncLimiter(_Base[AsyncStorage]):
     """Decides whether an identity may spend ``cost`` under a policy, on asyncio.
 
     The same methods and options as :class:`Limiter`, as coroutines.
+    ``AsyncLimiter(storage, **options)`` takes a storage already opened.
     """
 
-    def __init__(self, storage: AsyncStorage, **options: Any) -> None:
-        super().__init__(**options)
-        self.storage = storage
+    @classmethod
+    def from_url(
+        cls,
+        url: str | None = None,
+        *,
+        key_prefix: str = DEFAULT_KEY_PREFIX,
+        clock: Clock | None = None,
+        failure_mode: FailureMode = "open",
+        local_share: LocalShare = 1.0,
+        breaker: CircuitBreaker | None = None,
+        deny_cache: int = DEFAULT_DENY_CACHE_SIZE,
+        metrics: Metrics | None = None,
+        timeout: float | None = None,
+        connect_timeout: float | None = None,
+        max_connections: int | None = None,
+        redis_options: dict[str, Any] | None = None,
+        batching: bool = True,
+    ) -> AsyncLimiter:
+        """An asyncio limiter; the URLs (and ``RATEKEEPER_STORAGE_URL``) and options are those
+        of :meth:`Limiter.from_url`, and ``batching`` (default True; Redis and Valkey only)
+        coalesces concurrent calls into pipelined round trips."""
+        # An asyncio storage opens no connection before its first call: if an option below is
+        # refused, there is nothing to close.
+        storage = open_async(
+            _storage_url(url),
+            clock=clock,
+            batching=batching,
+            **_redis_options(timeout, connect_timeout, max_connections, redis_options),
+        )
+        return cls(
+            storage,
+            key_prefix=key_prefix,
+            clock=clock,
+            failure_mode=failure_mode,
+            local_share=local_share,
+            breaker=_default_breaker(breaker, timeout),
+            deny_cache=deny_cache,
+            metrics=metrics,
+        )
 
     @classmethod
-    def from_url(cls, url: str = "memory://", **options: Any) -> AsyncLimiter:
-        """An asyncio limiter; the URLs and options are those of :meth:`Limiter.from_url`."""
-        mine, storage_options = _split(options)
-        limiter = cls.__new__(cls)
-        _Base.__init__(limiter, **mine)
-        limiter.storage = open_async(url, clock=mine.get("clock"), **storage_options)
-        return limiter
+    def from_client(
+        cls,
+        client: Any,
+        *,
+        key_prefix: str = DEFAULT_KEY_PREFIX,
+        clock: Clock | None = None,
+        failure_mode: FailureMode = "open",
+        local_share: LocalShare = 1.0,
+        breaker: CircuitBreaker | None = None,
+        deny_cache: int = DEFAULT_DENY_CACHE_SIZE,
+        metrics: Metrics | None = None,
+        batching: bool = True,
+    ) -> AsyncLimiter:
+        """An asyncio limiter on your own ``redis.asyncio.Redis`` (Sentinel-managed or not) or
+        ``redis.asyncio.cluster.RedisCluster``: what :meth:`Limiter.from_client` says of the
+        client holds here too (used as configured, never changed or closed), and ``batching``
+        is that of :meth:`from_url`."""
+        return cls(
+            open_client_async(client, batching=batching),
+            key_prefix=key_prefix,
+            clock=clock,
+            failure_mode=failure_mode,
+            local_share=local_share,
+            breaker=breaker,
+            deny_cache=deny_cache,
+            metrics=metrics,
+        )
 
     async def _run(self, call: Call) -> Decision:
         guard = self._guard

@@ -5,16 +5,17 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import get_args
 
 from ._algorithms import get_algorithm
 from ._errors import ConfigError
 from ._rates import MAX_INT, Rate, parse_rates
+from .typing import Algorithm, FailureMode
 
 __all__ = ["DEFAULT_MAX_LOG_ENTRIES", "FAILURE_MODES", "Policy"]
 
-#: What a limiter does when the store cannot decide: allow, deny, decide with an in-process
-#: limiter at a share of the limit, or raise the StorageError to the caller.
-FAILURE_MODES = ("open", "closed", "local", "raise")
+#: The failure modes, in the order of ``ratekeeper.typing.FailureMode`` (see there).
+FAILURE_MODES: tuple[FailureMode, ...] = get_args(FailureMode)
 
 #: Default cap on the entries one sliding-log identity may keep (its largest limit).
 DEFAULT_MAX_LOG_ENTRIES = 10_000
@@ -46,19 +47,19 @@ class Policy:
 
     name: str
     rates: tuple[Rate, ...]
-    algorithm: str
+    algorithm: Algorithm
     max_log_entries: int
     burst: int | None
-    failure_mode: str | None
+    failure_mode: FailureMode | None
 
     def __init__(
         self,
         name: str,
         rates: str | Rate | Iterable[Rate],
-        algorithm: str = "sliding_log",
+        algorithm: Algorithm = "sliding_log",
         *,
         burst: int | None = None,
-        failure_mode: str | None = None,
+        failure_mode: FailureMode | None = None,
         max_log_entries: int = DEFAULT_MAX_LOG_ENTRIES,
     ) -> None:
         if not isinstance(name, str) or _NAME.fullmatch(name) is None:

@@ -6,7 +6,7 @@ import json
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import click
 from rich.console import Console
@@ -36,6 +36,7 @@ from ._keys import DEFAULT_KEY_PREFIX
 from ._limiter import Limiter
 from ._policy import Policy
 from ._rates import MAX_INT, parse_rates
+from .typing import Algorithm
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 
@@ -261,7 +262,7 @@ def bench(
             "applies to Redis and Valkey URLs, not memory://", param_hint="'--timeout'"
         )
     try:
-        policy = Policy("bench", rates, algorithm)
+        policy = Policy("bench", rates, cast("Algorithm", algorithm))  # checked there
     except ConfigError as exc:
         raise click.UsageError(str(exc)) from None
     config = BenchConfig(
@@ -417,7 +418,8 @@ def _target(
     storage: str, policy: str, rates: str, algorithm: str, burst: int | None, key_prefix: str
 ) -> _Target:
     try:
-        return _Target(storage, Policy(policy, rates, algorithm, burst=burst), key_prefix)
+        chosen = cast("Algorithm", algorithm)  # checked by Policy
+        return _Target(storage, Policy(policy, rates, chosen, burst=burst), key_prefix)
     except ConfigError as exc:
         raise click.UsageError(str(exc)) from None
 
