@@ -358,6 +358,7 @@ def test_clock_must_be_callable() -> None:
 
 EXPECTED_ALL = {
     "Algorithm",
+    "AutoShare",
     "AsyncLease",
     "AsyncLimiter",
     "BreakerState",

@@ -15,6 +15,7 @@ from ._errors import (
     StorageTimeout,
     StorageUnavailable,
 )
+from ._fleet import AutoShare
 from ._lease import AsyncLease, Lease
 from ._limiter import AsyncLimiter, Limiter
 from ._policy import Policy
@@ -25,6 +26,7 @@ __all__ = [
     "Algorithm",
     "AsyncLease",
     "AsyncLimiter",
+    "AutoShare",
     "BreakerState",
     "CircuitBreaker",
     "Clock",
