@@ -400,11 +400,21 @@ CALLS = 50
 LIMIT = 5
 
 
-def _most_in_a_window(admissions: list[tuple[float, float]], width: float) -> int:
-    """The most admissions surely inside one window of ``width`` seconds: each admission
-    happened between its ``sent`` and its ``back``, so it is surely in ``[x, x + width)`` when
-    ``sent >= x`` and ``back < x + width``. Windows start at a ``sent`` (the others hold no
-    more)."""
+def assert_at_most_per_window(
+    admissions: list[tuple[float, float]], limit: int, width: float = 1.0
+) -> int:
+    """Check that no window of ``width`` seconds held more than ``limit`` admissions, and
+    return the most that one surely held.
+
+    Each admission is ``(sent, back)``: the store admitted it between the moment its hit was
+    sent and the moment the reply came back, on this host's clock. So every ``limit + 1``
+    admissions must span at least ``width`` from the first ``sent`` to the last ``back``; and
+    an admission is surely inside ``[x, x + width)`` when ``sent >= x`` and ``back < x + width``.
+    """
+    by_sent = sorted(admissions)
+    for i in range(len(by_sent) - limit):
+        group = by_sent[i : i + limit + 1]
+        assert max(back for _, back in group) - group[0][0] >= width, group
     return max(
         sum(1 for sent, back in admissions if start <= sent and back < start + width)
         for start, _ in admissions
@@ -437,13 +447,7 @@ def test_eight_processes_wait_their_turn(server: RedisServer) -> None:
         f"(calls per process: {shares})"
     )
     assert 9.0 <= elapsed <= 12.5
-    # Every 6 admissions span at least a second: the store admitted each between the moment
-    # its hit was sent and the moment the reply came back, on this host's clock.
-    by_sent = sorted(admissions)
-    for i in range(len(by_sent) - LIMIT):
-        group = by_sent[i : i + LIMIT + 1]
-        assert max(back for _, back in group) - group[0][0] >= 1.0, group
-    assert _most_in_a_window(admissions, 1.0) == LIMIT
+    assert assert_at_most_per_window(admissions, LIMIT) == LIMIT
 
 
 # -- the decorator -------------------------------------------------------------------------
