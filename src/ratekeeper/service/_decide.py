@@ -1,0 +1,219 @@
+"""One ``ShouldRateLimit`` call, on the service's own copy of Envoy's messages: resolve each
+descriptor against the loaded configuration, decide every one through ``AsyncLimiter`` (at once,
+so concurrent descriptors and RPCs share round trips through its batching) and build the
+response. The gRPC and the HTTP JSON front ends only translate bytes to and from these messages.
+
+As in envoyproxy/ratelimit, every descriptor of a request is decided, and counted, even when
+another one is over its limit: the answer is OVER_LIMIT if any descriptor is. ratekeeper never
+writes a denial, so a descriptor over its limit is not charged (upstream counts it too); one
+within its limit is charged although the request as a whole is refused.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from .._decision import Decision
+from .._errors import ConfigError, StorageError
+from .._http import response_headers
+from .._limiter import AsyncLimiter
+from .._rates import MAX_INT
+from ._config import LimitRule, ServiceConfig, identity_of, override_rule
+from ._metrics import ServiceMetrics
+from .rls_pb2 import HeaderValue, RateLimitDescriptor, RateLimitRequest, RateLimitResponse
+
+__all__ = ["UNLIMITED_REMAINING", "BadRequest", "Decider"]
+
+#: ``limit_remaining`` of an unlimited descriptor, as upstream answers (the largest uint32).
+UNLIMITED_REMAINING = 2**32 - 1
+
+_OK = RateLimitResponse.OK
+_OVER_LIMIT = RateLimitResponse.OVER_LIMIT
+_Unit = RateLimitResponse.RateLimit.Unit
+_OverrideUnit = RateLimitDescriptor.RateLimitUnit
+
+
+class BadRequest(ValueError):
+    """A request the service cannot decide: no domain, no descriptors, an empty entry, a bad
+    ``limit`` override. gRPC answers INVALID_ARGUMENT, HTTP 400."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Job:
+    """One descriptor to decide on the store."""
+
+    index: int
+    rule: LimitRule
+    identity: str
+    hits: int  # 0: a peek
+
+
+def _entries(descriptor: RateLimitDescriptor) -> list[tuple[str, str]]:
+    entries = [(entry.key, entry.value) for entry in descriptor.entries]
+    if not entries:
+        raise BadRequest("a descriptor has no entries")
+    for key, _ in entries:
+        if not key:
+            raise BadRequest("a descriptor entry has an empty key")
+    return entries
+
+
+def _current_limit(status: RateLimitResponse.DescriptorStatus, rule: LimitRule) -> None:
+    limit = status.current_limit
+    if rule.name:
+        limit.name = rule.name
+    limit.requests_per_unit = min(rule.requests_per_unit, UNLIMITED_REMAINING)
+    limit.unit = _Unit.Value(rule.unit)  # type: ignore[assignment]
+
+
+def _seconds(status: RateLimitResponse.DescriptorStatus, seconds: float) -> None:
+    status.duration_until_reset.FromNanoseconds(max(0, math.ceil(seconds * 1e9)))
+
+
+def _headline(decisions: Sequence[Decision]) -> Decision | None:
+    """The decision the ``RateLimit`` headers describe: a denial with the longest wait, else
+    the store decision with the fewest units left; None when the store decided nothing."""
+    exact = [d for d in decisions if not d.degraded]
+    if not exact:
+        return None
+    denied = [d for d in exact if not d.allowed]
+    if denied:
+        return max(denied, key=lambda d: d.retry_after or 0.0)
+    return min(exact, key=lambda d: d.remaining)
+
+
+class Decider:
+    """Decides ``RateLimitRequest`` messages on ``limiter`` under ``config``.
+
+    ``config`` may be replaced at any time (a reload): a call reads it once, at its start, so a
+    request in flight finishes under the configuration it began with. ``response_headers``
+    adds the IETF ``RateLimit`` and ``RateLimit-Policy`` fields (and ``Retry-After`` on a
+    denial) to ``response_headers_to_add``.
+    """
+
+    def __init__(
+        self,
+        limiter: AsyncLimiter,
+        config: ServiceConfig,
+        *,
+        metrics: ServiceMetrics | None = None,
+        response_headers: bool = False,
+    ) -> None:
+        self.limiter = limiter
+        self.config = config
+        self.metrics = metrics
+        self.response_headers = response_headers
+
+    async def should_rate_limit(self, request: RateLimitRequest) -> RateLimitResponse:
+        """The response to ``request``. Raises :class:`BadRequest` for a request that cannot
+        be decided and ``StorageError`` when the store failed and the failure mode is
+        ``"raise"``."""
+        config = self.config
+        domain = request.domain
+        if not domain:
+            raise BadRequest("the request has no domain")
+        if not request.descriptors:
+            raise BadRequest("the request has no descriptors")
+        entries = [_entries(descriptor) for descriptor in request.descriptors]
+        rules: list[LimitRule | None] = list(config.resolve(domain, entries))
+        default_hits = request.hits_addend or 1
+        response = RateLimitResponse(overall_code=_OK)
+        statuses = [response.statuses.add(code=_OK) for _ in entries]
+        jobs: list[_Job] = []
+        for index, descriptor in enumerate(request.descriptors):
+            rule = rules[index]
+            if descriptor.HasField("limit"):
+                rule = self._override(domain, entries[index], descriptor, rule)
+                rules[index] = rule
+            if rule is None:
+                continue  # no limit applies: OK, no current_limit, remaining 0 (as upstream)
+            if rule.unlimited or rule.policy is None:
+                statuses[index].limit_remaining = UNLIMITED_REMAINING
+                continue
+            hits = (
+                descriptor.hits_addend.value if descriptor.HasField("hits_addend") else default_hits
+            )
+            identity = identity_of(domain, entries[index])
+            jobs.append(_Job(index, rule, identity, min(hits, MAX_INT)))
+        if not jobs:
+            return response
+        if len(jobs) == 1:
+            decisions = [await self._decide(jobs[0])]
+        else:
+            results = await asyncio.gather(
+                *(self._decide(job) for job in jobs), return_exceptions=True
+            )
+            for result in results:
+                if isinstance(result, BaseException):
+                    raise result
+            decisions = results  # type: ignore[assignment]
+        for job, decision in zip(jobs, decisions, strict=True):
+            if self._status(domain, statuses[job.index], job, decision):
+                response.overall_code = _OVER_LIMIT
+        if self.response_headers:
+            headline = _headline(decisions)
+            if headline is not None:
+                response.response_headers_to_add.extend(
+                    HeaderValue(key=name, value=value) for name, value in response_headers(headline)
+                )
+        return response
+
+    def _status(
+        self,
+        domain: str,
+        status: RateLimitResponse.DescriptorStatus,
+        job: _Job,
+        decision: Decision,
+    ) -> bool:
+        """Fill in one descriptor's status; True when it is over its limit. A peek (0 hits) is
+        never over: it consumes nothing, as upstream's hits_addend 0 adds nothing. A degraded
+        decision's numbers are the failure mode's: only its code and wait are reported."""
+        rule = job.rule
+        _current_limit(status, rule)
+        over = not decision.allowed and job.hits > 0
+        if decision.degraded:
+            if over:
+                status.code = _OVER_LIMIT
+                if decision.retry_after is not None and math.isfinite(decision.retry_after):
+                    _seconds(status, decision.retry_after)
+        else:
+            status.limit_remaining = 0 if over else max(0, decision.remaining)
+            _seconds(status, decision.reset_after)
+            if over and not rule.shadow_mode:
+                status.code = _OVER_LIMIT
+        if self.metrics is not None:
+            self.metrics.decided(domain, rule, decision, over)
+        return status.code == _OVER_LIMIT
+
+    @staticmethod
+    def _override(
+        domain: str,
+        entries: list[tuple[str, str]],
+        descriptor: RateLimitDescriptor,
+        base: LimitRule | None,
+    ) -> LimitRule:
+        limit = descriptor.limit
+        if limit.unit == _OverrideUnit.UNKNOWN or limit.requests_per_unit == 0:
+            raise BadRequest("a descriptor's limit override needs requests_per_unit > 0 and a unit")
+        try:
+            return override_rule(
+                domain, entries, limit.requests_per_unit, _OverrideUnit.Name(limit.unit), base
+            )
+        except ConfigError as exc:
+            raise BadRequest(f"a descriptor's limit override is invalid: {exc}") from None
+
+    async def _decide(self, job: _Job) -> Decision:
+        policy = job.rule.policy
+        assert policy is not None  # unlimited rules are answered without the store
+        try:
+            if job.hits == 0:
+                # A peek (per-descriptor hits_addend 0): the state now, nothing consumed.
+                return await self.limiter.peek(policy, job.identity, 1)
+            return await self.limiter.hit(policy, job.identity, job.hits)
+        except StorageError:
+            if self.metrics is not None:
+                self.metrics.unavailable()
+            raise

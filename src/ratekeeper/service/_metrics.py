@@ -1,0 +1,82 @@
+"""The service's Prometheus metrics, on a registry of its own, served at ``GET /metrics``.
+
+The limiter's instruments (store latency, breaker state and transitions, degraded decisions by
+policy and reason, deny-cache hits) come from :class:`ratekeeper.metrics.PrometheusMetrics` on
+the same registry; this module adds what only the service knows:
+
+* ``ratekeeper_service_decisions_total{domain, descriptor, outcome}``: one per decided
+  descriptor; ``descriptor`` is the rule's stat key (upstream's, with ``detailed_metric``
+  naming the values), ``outcome`` ``ok``, ``over_limit``, ``shadow_mode`` (over the limit,
+  answered OK) or ``degraded_ok`` / ``degraded_over_limit`` (the failure mode decided)
+* ``ratekeeper_service_unavailable_total``: descriptors the store could not decide under
+  ``failure_mode="raise"`` (the RPC failed with UNAVAILABLE)
+* ``ratekeeper_service_config_reloads_total{outcome}``: ``ok`` or ``error``
+* ``ratekeeper_service_config_loaded_timestamp_seconds``: when the configuration in force loaded
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from .._decision import Decision
+from ..metrics import PrometheusMetrics
+from ._config import LimitRule
+
+__all__ = ["ServiceMetrics"]
+
+
+class ServiceMetrics:
+    """The service's counters and the limiter's hook (``limiter_metrics``), on ``registry``
+    (a new ``prometheus_client.CollectorRegistry`` by default)."""
+
+    def __init__(self, registry: Any = None) -> None:
+        import prometheus_client as prom
+
+        if registry is None:
+            registry = prom.CollectorRegistry()
+        self.registry = registry
+        self.limiter_metrics = PrometheusMetrics(registry=registry)
+        options: dict[str, Any] = {"namespace": "ratekeeper_service", "registry": registry}
+        self.decisions = prom.Counter(
+            "decisions",
+            "Descriptors decided, by domain, descriptor (stat key) and outcome.",
+            ("domain", "descriptor", "outcome"),
+            **options,
+        )
+        self.unavailable_total = prom.Counter(
+            "unavailable",
+            "Descriptors the store could not decide under failure_mode=raise.",
+            **options,
+        )
+        self.reloads = prom.Counter(
+            "config_reloads", "Configuration reloads, by outcome.", ("outcome",), **options
+        )
+        self.loaded_at = prom.Gauge(
+            "config_loaded_timestamp_seconds",
+            "When the configuration in force was loaded (Unix time).",
+            **options,
+        )
+
+    def decided(self, domain: str, rule: LimitRule, decision: Decision, over: bool) -> None:
+        if decision.degraded:
+            outcome = "degraded_over_limit" if over else "degraded_ok"
+        elif over:
+            outcome = "shadow_mode" if rule.shadow_mode else "over_limit"
+        else:
+            outcome = "ok"
+        self.decisions.labels(domain, rule.stat_key, outcome).inc()
+
+    def unavailable(self) -> None:
+        self.unavailable_total.inc()
+
+    def reloaded(self, ok: bool) -> None:
+        self.reloads.labels("ok" if ok else "error").inc()
+        if ok:
+            self.loaded_at.set(time.time())
+
+    def render(self) -> tuple[bytes, str]:
+        """The exposition text and its content type."""
+        import prometheus_client as prom
+
+        return prom.generate_latest(self.registry), prom.CONTENT_TYPE_LATEST

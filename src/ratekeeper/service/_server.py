@@ -1,0 +1,311 @@
+"""``ratekeeper serve``: one asyncio loop per process serving gRPC (grpc.aio) and HTTP
+(uvicorn) over one ``AsyncLimiter``, and ``--workers N`` processes on the same ports.
+
+gRPC answers ``/envoy.service.ratelimit.v3.RateLimitService/ShouldRateLimit`` through a generic
+handler over the project's own copy of Envoy's messages (``rls.proto``: upstream's field
+numbers, another package name), and the standard health service (grpcio-health-checking, the
+gRPC team's own implementation, the one Kubernetes' and Envoy's gRPC health checks speak).
+
+Workers share nothing but the store: each binds the ports with ``SO_REUSEPORT`` (gRPC's
+``grpc.so_reuseport`` option; a reuse-port socket handed to uvicorn), so the kernel spreads
+connections over them. With one worker, reuse-port is off, so a port another program holds
+is an error rather than a silent share.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import multiprocessing
+import os
+import signal
+import socket
+import sys
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from .._errors import ConfigError, StorageError
+from .._limiter import AsyncLimiter
+from ..typing import FailureMode
+from ._config import ServiceConfig, load_config
+from ._decide import BadRequest, Decider
+from ._metrics import ServiceMetrics
+from ._reload import ConfigWatcher
+from ._web import ServiceApp
+from .rls_pb2 import RateLimitRequest, RateLimitResponse
+
+__all__ = ["RLS_METHOD", "RLS_SERVICE", "ServeOptions", "Service", "serve"]
+
+log = logging.getLogger("ratekeeper.service")
+
+#: The gRPC service and method Envoy calls.
+RLS_SERVICE = "envoy.service.ratelimit.v3.RateLimitService"
+RLS_METHOD = f"/{RLS_SERVICE}/ShouldRateLimit"
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    """Everything ``ratekeeper serve`` takes (see its ``--help``)."""
+
+    config: str
+    storage: str | None = None
+    host: str = "0.0.0.0"
+    grpc_port: int = 8081
+    http_port: int = 8080
+    workers: int = 1
+    failure_mode: FailureMode = "raise"
+    timeout: float | None = None
+    key_prefix: str = "ratekeeper"
+    response_headers: bool = False
+    reload_interval: float = 0.25
+    grace: float = 5.0
+
+
+def _reuse_port_socket(host: str, port: int, reuse_port: bool) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if reuse_port:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    sock.bind((host, port))
+    sock.listen(1024)
+    sock.setblocking(False)
+    return sock
+
+
+def _address(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+class Service:
+    """One worker: the limiter, the decider, the gRPC server, the HTTP server, the watcher.
+
+    ``await service.start()`` binds and serves (``grpc_port`` and ``http_port`` are then the
+    bound ports, useful with port 0), ``await service.stop()`` drains and closes.
+    """
+
+    def __init__(self, options: ServeOptions, *, reuse_port: bool | None = None) -> None:
+        self.options = options
+        self.reuse_port = options.workers > 1 if reuse_port is None else reuse_port
+        self.metrics = ServiceMetrics()
+        self.limiter: AsyncLimiter | None = None
+        self.decider: Decider | None = None
+        self.watcher = ConfigWatcher(
+            options.config,
+            self._apply,
+            interval=options.reload_interval,
+            on_result=self.metrics.reloaded,
+        )
+        self.grpc_port = options.grpc_port
+        self.http_port = options.http_port
+        self._tasks: list[asyncio.Task[Any]] = []
+        self._grpc: Any = None
+        self._health: Any = None
+        self._http: Any = None
+        self._app: ServiceApp | None = None
+        self._config: ServiceConfig | None = None
+
+    def _apply(self, config: ServiceConfig) -> None:
+        self._config = config
+        if self.decider is not None:
+            self.decider.config = config
+
+    async def _rpc(self, request: RateLimitRequest, context: Any) -> RateLimitResponse:
+        import grpc
+
+        assert self.decider is not None
+        try:
+            return await self.decider.should_rate_limit(request)
+        except BadRequest as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except StorageError as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"the store failed: {exc}")
+        raise AssertionError("unreachable: context.abort raises")
+
+    async def start(self) -> None:
+        import grpc
+        import uvicorn
+        from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+        options = self.options
+        config = self.watcher.load_now()
+        self.limiter = AsyncLimiter.from_url(
+            options.storage,
+            key_prefix=options.key_prefix,
+            failure_mode=options.failure_mode,
+            metrics=self.metrics.limiter_metrics,
+            timeout=options.timeout,
+            connect_timeout=options.timeout,
+        )
+        self.decider = Decider(
+            self.limiter,
+            config,
+            metrics=self.metrics,
+            response_headers=options.response_headers,
+        )
+        self._app = ServiceApp(self.decider, self.metrics)
+
+        server = grpc.aio.server(
+            options=[
+                ("grpc.so_reuseport", 1 if self.reuse_port else 0),
+                ("grpc.max_concurrent_streams", 1024),
+            ]
+        )
+        handler = grpc.unary_unary_rpc_method_handler(
+            self._rpc,
+            request_deserializer=RateLimitRequest.FromString,
+            response_serializer=RateLimitResponse.SerializeToString,
+        )
+        server.add_generic_rpc_handlers(
+            (grpc.method_handlers_generic_handler(RLS_SERVICE, {"ShouldRateLimit": handler}),)
+        )
+        self._health = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
+        await self._health.set(RLS_SERVICE, health_pb2.HealthCheckResponse.SERVING)
+        bound = server.add_insecure_port(_address(options.host, options.grpc_port))
+        if bound == 0:
+            raise ConfigError(
+                f"cannot serve gRPC on {_address(options.host, options.grpc_port)}: "
+                "the address is in use or not available"
+            )
+        self.grpc_port = bound
+        try:
+            sock = _reuse_port_socket(options.host, options.http_port, self.reuse_port)
+        except OSError as exc:
+            raise ConfigError(
+                f"cannot serve HTTP on {_address(options.host, options.http_port)}: {exc}"
+            ) from None
+        self.http_port = sock.getsockname()[1]
+        await server.start()
+        self._grpc = server
+
+        class _Server(uvicorn.Server):
+            @contextlib.contextmanager
+            def capture_signals(self) -> Iterator[None]:  # the worker handles signals
+                yield
+
+        uconfig = uvicorn.Config(
+            self._app, log_level="warning", access_log=False, lifespan="off", workers=1
+        )
+        self._http = _Server(uconfig)
+        self._tasks.append(asyncio.create_task(self._http.serve(sockets=[sock])))
+        self._tasks.append(asyncio.create_task(self.watcher.run()))
+        while not self._http.started:
+            if self._tasks[0].done():
+                self._tasks[0].result()  # uvicorn failed to start: raise its error
+            await asyncio.sleep(0.005)
+
+    async def reload(self) -> bool:
+        """Reload the configuration now (SIGHUP)."""
+        return await self.watcher.reload("SIGHUP")
+
+    async def stop(self) -> None:
+        """Fail health checks, finish the RPCs in flight (up to ``grace`` seconds), close."""
+        if self._app is not None:
+            self._app.healthy = False
+        if self._health is not None:
+            await self._health.enter_graceful_shutdown()
+        if self._grpc is not None:
+            await self._grpc.stop(self.options.grace)
+        if self._http is not None:
+            self._http.should_exit = True
+        for task in self._tasks[1:]:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        if self.limiter is not None:
+            await self.limiter.close()
+
+
+async def run_worker(options: ServeOptions, ready: Callable[[Service], None]) -> None:
+    """Serve until SIGTERM or SIGINT; SIGHUP reloads the configuration."""
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    service = Service(options)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    reloads: set[asyncio.Task[bool]] = set()
+
+    def on_hup() -> None:
+        task = loop.create_task(service.reload())
+        reloads.add(task)
+        task.add_done_callback(reloads.discard)
+
+    loop.add_signal_handler(signal.SIGHUP, on_hup)
+    try:
+        await service.start()
+        ready(service)
+        await stop.wait()
+    finally:
+        await service.stop()
+
+
+def _ready_line(service: Service) -> None:
+    options = service.options
+    print(
+        f"ratekeeper serve: worker {os.getpid()} ready: gRPC on "
+        f"{_address(options.host, service.grpc_port)}, HTTP on "
+        f"{_address(options.host, service.http_port)}, configuration from {options.config}",
+        file=sys.stderr,
+        flush=True,
+    )
+
+
+def _worker_main(options: ServeOptions) -> None:
+    logging.basicConfig(
+        level=logging.WARNING,
+        format="%(asctime)s %(levelname)s %(name)s[%(process)d]: %(message)s",
+        stream=sys.stderr,
+    )
+    try:
+        asyncio.run(run_worker(options, _ready_line))
+    except ConfigError as exc:
+        print(f"ratekeeper serve: {exc}", file=sys.stderr, flush=True)
+        sys.exit(2)
+
+
+def serve(options: ServeOptions) -> int:
+    """Run the server in this process (one worker) or in ``workers`` child processes; the
+    exit status. The configuration is loaded once here first, so a bad file stops it before
+    any port is bound."""
+    if options.workers == 1:
+        _worker_main(options)
+        return 0
+    if options.grpc_port == 0 or options.http_port == 0:
+        raise ConfigError("--workers above 1 needs fixed ports: port 0 gives each its own")
+    load_config(options.config)  # a bad file stops here, once, with its location
+    context = multiprocessing.get_context("spawn")
+    children = [
+        context.Process(target=_worker_main, args=(options,), name=f"ratekeeper-worker-{i}")
+        for i in range(options.workers)
+    ]
+    for child in children:
+        child.start()
+
+    def forward(signum: int, frame: Any) -> None:
+        for child in children:
+            if child.pid is not None and child.is_alive():
+                os.kill(child.pid, signum)
+
+    signal.signal(signal.SIGHUP, forward)
+    signal.signal(signal.SIGTERM, forward)
+    signal.signal(signal.SIGINT, forward)
+    status = 0
+    # A worker that exits ends the server: the others are stopped too.
+    sentinels = {child.sentinel: child for child in children}
+    from multiprocessing.connection import wait
+
+    while sentinels:
+        for ready in wait(list(sentinels)):
+            child = sentinels.pop(ready)  # type: ignore[arg-type]
+            child.join()
+            code = child.exitcode or 0
+            if code not in (0, -signal.SIGTERM, -signal.SIGINT):
+                status = status or (code if code > 0 else 1)
+            for other in sentinels.values():
+                if other.pid is not None and other.is_alive():
+                    os.kill(other.pid, signal.SIGTERM)
+    return status
