@@ -692,18 +692,18 @@ def serve(
     error is logged with its file, line and column.
     """
     try:
-        from .service._config import load_config
+        from .service._config import check_config
     except ImportError as exc:
         raise click.ClickException(
             f"serve needs the server extra: pip install 'ratekeeper[server]' ({exc})"
         ) from None
     if check is not None:
         try:
-            checked = load_config(check, portable=portable)
+            summary = check_config(check, portable=portable)
         except ConfigError as exc:
             click.echo(str(exc), err=True)
             sys.exit(1)
-        click.echo(f"{check}: valid ({len(checked.sources)} file(s))")
+        click.echo(summary)
         return
     if config is None:
         raise click.UsageError("give --config PATH (or --check PATH)")

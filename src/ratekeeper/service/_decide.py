@@ -21,7 +21,7 @@ from .._errors import ConfigError, StorageError
 from .._http import response_headers
 from .._limiter import AsyncLimiter
 from .._rates import MAX_INT
-from ._config import LimitRule, ServiceConfig, identity_of, override_rule
+from ._config import LimitRule, ServiceConfig, identity_of
 from ._metrics import ServiceMetrics
 from .rls_pb2 import HeaderValue, RateLimitDescriptor, RateLimitRequest, RateLimitResponse
 
@@ -49,6 +49,7 @@ class _Job:
     rule: LimitRule
     identity: str
     hits: int  # 0: a peek
+    entries: list[tuple[str, str]]
 
 
 def _entries(descriptor: RateLimitDescriptor) -> list[tuple[str, str]]:
@@ -61,12 +62,26 @@ def _entries(descriptor: RateLimitDescriptor) -> list[tuple[str, str]]:
     return entries
 
 
-def _current_limit(status: RateLimitResponse.DescriptorStatus, rule: LimitRule) -> None:
+def _override(descriptor: RateLimitDescriptor) -> tuple[int, str] | None:
+    """A descriptor's ``limit`` override as ``(requests_per_unit, unit name)``, or None."""
+    if not descriptor.HasField("limit"):
+        return None
+    limit = descriptor.limit
+    if limit.unit == _OverrideUnit.UNKNOWN:
+        raise BadRequest("a descriptor's limit override has no unit")
+    return limit.requests_per_unit, _OverrideUnit.Name(limit.unit)
+
+
+def _current_limit(
+    status: RateLimitResponse.DescriptorStatus, rule: LimitRule, decision: Decision | None
+) -> None:
+    """The limit that decided: with several limits on one rule, the one the decision names."""
+    requests, unit = rule.current_limit(decision.rate if decision is not None else None)
     limit = status.current_limit
     if rule.name:
         limit.name = rule.name
-    limit.requests_per_unit = min(rule.requests_per_unit, UNLIMITED_REMAINING)
-    limit.unit = _Unit.Value(rule.unit)  # type: ignore[assignment]
+    limit.requests_per_unit = min(requests, UNLIMITED_REMAINING)
+    limit.unit = _Unit.Value(unit)  # type: ignore[assignment]
 
 
 def _seconds(status: RateLimitResponse.DescriptorStatus, seconds: float) -> None:
@@ -118,26 +133,36 @@ class Decider:
         if not request.descriptors:
             raise BadRequest("the request has no descriptors")
         entries = [_entries(descriptor) for descriptor in request.descriptors]
-        rules: list[LimitRule | None] = list(config.resolve(domain, entries))
+        overrides = [_override(descriptor) for descriptor in request.descriptors]
+        try:
+            rules = config.resolve(domain, entries, overrides=overrides if any(overrides) else None)
+        except ConfigError as exc:  # an override the algorithm refuses
+            raise BadRequest(f"a descriptor's limit override is invalid: {exc}") from None
         default_hits = request.hits_addend or 1
         response = RateLimitResponse(overall_code=_OK)
         statuses = [response.statuses.add(code=_OK) for _ in entries]
         jobs: list[_Job] = []
         for index, descriptor in enumerate(request.descriptors):
             rule = rules[index]
-            if descriptor.HasField("limit"):
-                rule = self._override(domain, entries[index], descriptor, rule)
-                rules[index] = rule
             if rule is None:
                 continue  # no limit applies: OK, no current_limit, remaining 0 (as upstream)
-            if rule.unlimited or rule.policy is None:
-                statuses[index].limit_remaining = UNLIMITED_REMAINING
+            status = statuses[index]
+            if rule.unlimited:
+                status.limit_remaining = UNLIMITED_REMAINING
+                continue
+            if rule.policy is None:  # requests_per_unit 0: upstream denies every request
+                _current_limit(status, rule, None)
+                status.code = _OVER_LIMIT
+                if not rule.shadow_mode:
+                    response.overall_code = _OVER_LIMIT
+                else:
+                    status.code = _OK
                 continue
             hits = (
                 descriptor.hits_addend.value if descriptor.HasField("hits_addend") else default_hits
             )
             identity = identity_of(domain, entries[index])
-            jobs.append(_Job(index, rule, identity, min(hits, MAX_INT)))
+            jobs.append(_Job(index, rule, identity, min(hits, MAX_INT), entries[index]))
         if not jobs:
             return response
         if len(jobs) == 1:
@@ -172,7 +197,7 @@ class Decider:
         never over: it consumes nothing, as upstream's hits_addend 0 adds nothing. A degraded
         decision's numbers are the failure mode's: only its code and wait are reported."""
         rule = job.rule
-        _current_limit(status, rule)
+        _current_limit(status, rule, decision)
         over = not decision.allowed and job.hits > 0
         if decision.degraded:
             if over:
@@ -185,25 +210,8 @@ class Decider:
             if over and not rule.shadow_mode:
                 status.code = _OVER_LIMIT
         if self.metrics is not None:
-            self.metrics.decided(domain, rule, decision, over)
+            self.metrics.decided(domain, rule.stat_key_for(job.entries), rule, decision, over)
         return status.code == _OVER_LIMIT
-
-    @staticmethod
-    def _override(
-        domain: str,
-        entries: list[tuple[str, str]],
-        descriptor: RateLimitDescriptor,
-        base: LimitRule | None,
-    ) -> LimitRule:
-        limit = descriptor.limit
-        if limit.unit == _OverrideUnit.UNKNOWN or limit.requests_per_unit == 0:
-            raise BadRequest("a descriptor's limit override needs requests_per_unit > 0 and a unit")
-        try:
-            return override_rule(
-                domain, entries, limit.requests_per_unit, _OverrideUnit.Name(limit.unit), base
-            )
-        except ConfigError as exc:
-            raise BadRequest(f"a descriptor's limit override is invalid: {exc}") from None
 
     async def _decide(self, job: _Job) -> Decision:
         policy = job.rule.policy

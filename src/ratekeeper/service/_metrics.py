@@ -8,6 +8,7 @@ the same registry; this module adds what only the service knows:
   descriptor; ``descriptor`` is the rule's stat key (upstream's, with ``detailed_metric``
   naming the values), ``outcome`` ``ok``, ``over_limit``, ``shadow_mode`` (over the limit,
   answered OK) or ``degraded_ok`` / ``degraded_over_limit`` (the failure mode decided)
+  (``requests_per_unit: 0`` rules, which deny without the store, are not counted here)
 * ``ratekeeper_service_unavailable_total``: descriptors the store could not decide under
   ``failure_mode="raise"`` (the RPC failed with UNAVAILABLE)
 * ``ratekeeper_service_config_reloads_total{outcome}``: ``ok`` or ``error``
@@ -58,14 +59,16 @@ class ServiceMetrics:
             **options,
         )
 
-    def decided(self, domain: str, rule: LimitRule, decision: Decision, over: bool) -> None:
+    def decided(
+        self, domain: str, stat_key: str, rule: LimitRule, decision: Decision, over: bool
+    ) -> None:
         if decision.degraded:
             outcome = "degraded_over_limit" if over else "degraded_ok"
         elif over:
             outcome = "shadow_mode" if rule.shadow_mode else "over_limit"
         else:
             outcome = "ok"
-        self.decisions.labels(domain, rule.stat_key, outcome).inc()
+        self.decisions.labels(domain, stat_key, outcome).inc()
 
     def unavailable(self) -> None:
         self.unavailable_total.inc()

@@ -95,8 +95,7 @@ class ServiceApp:
                 text, content_type = self.metrics.render()
                 await _respond(send, 200, text, content_type.encode())
             else:
-                config = self.decider.config
-                shown = {"sources": list(config.sources), **config.to_dict()}
+                shown = self.decider.config.to_dict()
                 await _respond(send, 200, json.dumps(shown, indent=2).encode() + b"\n", _JSON)
         else:
             await _respond(send, 404, b"not found\n")
