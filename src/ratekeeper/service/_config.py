@@ -551,7 +551,8 @@ class _FileLoader:
     # -- errors and locations
 
     def error(self, node: Node | yaml.Mark, message: str) -> ConfigFileError:
-        mark = node if isinstance(node, yaml.Mark) else node.start_mark
+        # libyaml's marks are not yaml.Mark: tell a node by its start_mark
+        mark = node.start_mark if isinstance(node, Node) else node
         return ConfigFileError(self.source, mark.line + 1, mark.column + 1, message)
 
     def where(self, node: Node) -> str:
@@ -636,7 +637,7 @@ class _FileLoader:
             document = yaml.compose(text, Loader=_LOADER)
         except yaml.MarkedYAMLError as exc:
             mark = exc.problem_mark or exc.context_mark
-            problem = " ".join(p for p in (exc.context, exc.problem) if p) or "invalid YAML"
+            problem = ", ".join(p for p in (exc.context, exc.problem) if p) or "invalid YAML"
             if mark is None:
                 raise ConfigFileError(self.source, 1, 1, problem) from None
             raise self.error(mark, problem) from None
