@@ -133,7 +133,8 @@ class ServeProcess:
         )
         self.lines: queue.Queue[str] = queue.Queue()
         self.seen: list[str] = []
-        threading.Thread(target=self._read, daemon=True).start()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
 
     def _read(self) -> None:
         assert self.proc.stderr is not None
@@ -172,6 +173,9 @@ class ServeProcess:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(10)
+        self._reader.join(10)
+        if self.proc.stderr is not None:
+            self.proc.stderr.close()
         return self.proc.returncode
 
 
