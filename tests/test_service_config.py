@@ -1226,6 +1226,10 @@ def test_identity_of_tells_apart_descriptors_that_join_alike() -> None:
         ("d", [("a", 'b"],["c'), ("d", "")]),
         ("d.a", [("b", "c"), ("d", "")]),
         ("d", [("a", "b"), ("c", "d"), ("", "")]),
+        ("d", [("1:a", "")]),
+        ("d", [("1", "a")]),
+        ("d", [("a", "1:b")]),
+        ("d", [("a", ""), ("b", "")]),
         ("d", []),
         ("", [("d", "")]),
     ]
@@ -1273,13 +1277,22 @@ def test_an_override_replaces_the_configured_limit_on_the_same_counter(tmp_path:
     base = rule(config, "d", *entries)
     assert base is not None
     assert base.policy is not None
-    over = override_rule("d", entries, 42, "minute", base)
+    over = override_rule("d", entries, 42, "second", base)
     assert over.policy is not None
-    assert over.policy.name == base.policy.name  # upstream: one counter per descriptor
+    # Upstream's counter is the domain, the entries and the window: in the same unit, the
+    # override counts on the configured rule's counter, whatever its requests_per_unit.
+    assert over.policy.name == base.policy.name
     assert over.policy.algorithm == "sliding_window"
-    assert over.policy.rates == (Rate(42, 60),)
-    assert (over.name, over.shadow_mode, over.replaces, over.unit) == (None, False, (), "MINUTE")
+    assert over.policy.rates == (Rate(42, 1),)
+    assert (over.name, over.shadow_mode, over.replaces, over.unit) == (None, False, (), "SECOND")
     assert over.stat_key == "d.user_ann"
+    per_minute = override_rule("d", entries, 42, "minute", base)
+    assert per_minute.policy is not None
+    assert per_minute.policy.rates == (Rate(42, 60),)
+    assert per_minute.policy.name != base.policy.name  # another window: another counter
+    again = override_rule("d", [("user", "bob")], 7, "MINUTE", base)
+    assert again.policy is not None
+    assert again.policy.name == per_minute.policy.name  # the identity tells users apart
     # Through resolve: the override neither is replaced nor keeps its base's replaces.
     got = config.resolve(
         "d",
@@ -1299,8 +1312,13 @@ def test_an_override_without_a_configured_rule(tmp_path: Path) -> None:
     assert got is not None
     assert got.policy is not None
     assert (got.policy.algorithm, got.policy.rates) == ("fixed_window", (Rate(3, 3600),))
-    assert got.policy.name == override_rule("d", [("k", "w")], 7, "DAY", None).policy.name  # type: ignore[union-attr]
-    assert got.policy.name != override_rule("e", [("k", "v")], 3, "HOUR", None).policy.name  # type: ignore[union-attr]
+    names = {
+        (domain, requests, unit): override_rule(domain, [("k", "w")], requests, unit, None).policy
+        for domain, requests, unit in [("d", 7, "HOUR"), ("d", 7, "DAY"), ("e", 3, "HOUR")]
+    }
+    assert got.policy.name == names["d", 7, "HOUR"].name  # type: ignore[union-attr]
+    assert got.policy.name != names["d", 7, "DAY"].name  # type: ignore[union-attr]
+    assert got.policy.name != names["e", 3, "HOUR"].name  # type: ignore[union-attr]
     zero = override_rule("d", [("k", "v")], 0, "second", None)
     assert (zero.denies_all, zero.policy) == (True, None)
 

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
 from hashlib import blake2b
@@ -389,9 +389,12 @@ def _dump(level: _Level) -> dict[str, Any]:
 
 
 def identity_of(domain: str, entries: Sequence[tuple[str, str]]) -> str:
-    """The store identity of a request descriptor: JSON of the domain and the entries, so two
-    different descriptors never share one (no separator a key or value could forge)."""
-    return json.dumps([domain, [[key, value] for key, value in entries]], ensure_ascii=False)
+    """The store identity of a request descriptor: the domain, keys and values, each prefixed
+    with its length, so two different descriptors never share one (no separator a key or value
+    could forge) and nothing needs escaping. The limiter hashes it into the key."""
+    return f"{len(domain)}:{domain}" + "".join(
+        f"{len(key)}:{key}{len(value)}:{value}" for key, value in entries
+    )
 
 
 def _digest(*parts: object) -> str:
@@ -419,11 +422,12 @@ def override_rule(
     """The rule of a descriptor that carries its own ``limit`` (Envoy's override).
 
     As upstream, the override replaces the configured limit: no name, no ``replaces``, no
-    shadow mode, and the counter is the descriptor's own, whatever the limit (upstream's
-    cache key is the domain, the entries and the window, not the limit): with a configured
-    rule ``base``, the override charges that rule's counter with its algorithm; without one,
-    a fixed window per domain and descriptor. ``unit`` is an upstream unit name (any case);
-    a bad unit or a limit the algorithm refuses is a ConfigError.
+    shadow mode. Its counter follows upstream's cache key (the domain, the entries and the
+    window, so the unit, but not ``requests_per_unit``): with a configured rule ``base`` of
+    one limit in the same unit, the override charges that rule's counter; otherwise a counter
+    of its own per unit (and per base rule), which any ``requests_per_unit`` shares. It uses
+    the base rule's algorithm, else a fixed window. ``unit`` is an upstream unit name (any
+    case); a bad unit or a limit the algorithm refuses is a ConfigError.
     """
     unit_name = unit.upper() if isinstance(unit, str) else ""
     if unit_name not in UNITS:
@@ -436,10 +440,14 @@ def override_rule(
             f"{requests_per_unit}"
         )
     if base is not None and base.policy is not None:
-        name, algorithm = base.policy.name, base.policy.algorithm
+        algorithm = base.policy.algorithm
+        if base.limits == ((base.requests_per_unit, unit_name, 1),):
+            name = base.policy.name
+        else:
+            name = _policy_name("o", base.stat_key, base.policy.name, unit_name)
     else:
         anchor = base.stat_key if base is not None else None
-        name = _policy_name("o", f"{domain}.override", domain, anchor)
+        name = _policy_name("o", f"{domain}.override", domain, anchor, unit_name)
         algorithm = _DEFAULT_ALGORITHM
     policy = _override_policy(name, algorithm, requests_per_unit, unit_name)
     return LimitRule(
@@ -972,13 +980,3 @@ def _show(node: Node) -> str:
             return "nothing (null)"
         return repr(node.value)
     return _kind(node)
-
-
-def _iter_rules(config: ServiceConfig) -> Iterable[LimitRule]:
-    """Every configured rule (for tests and tools)."""
-    stack = [domain.root for domain in config.domains.values()]
-    while stack:
-        level = stack.pop()
-        if level.rule is not None:
-            yield level.rule
-        stack.extend(_children(level))
