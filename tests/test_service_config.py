@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 
 from ratekeeper import ConfigError, Policy, Rate
 from ratekeeper.service._config import (
+    MAX_NODES,
     MAX_REQUESTS_PER_UNIT,
     ConfigFileError,
     LimitRule,
@@ -636,6 +637,33 @@ def test_a_file_that_is_not_utf8_is_refused_at_the_byte(tmp_path: Path) -> None:
         load_config(path)
     assert at(excinfo.value) == (3, 13)
     assert "not valid UTF-8" in str(excinfo.value)
+
+
+@pytest.mark.parametrize("where", ["descriptors", "metadata"])
+def test_aliases_cannot_expand_a_file_without_bound(tmp_path: Path, where: str) -> None:
+    """Lists of ten that each reuse the previous list, nine times over, would be 10**9 rules
+    (or metadata values): refused once the uses pass MAX_NODES."""
+    lines = ["domain: d", "descriptors:"]
+    if where == "descriptors":
+        lines += ["  - key: a0", "    descriptors: &l0"]
+        lines += [f"      - {{key: k{i}}}" for i in range(10)]
+        for level in range(1, 9):
+            lines += [f"  - key: a{level}", f"    descriptors: &l{level}"]
+            lines += [f"      - {{key: k{i}, descriptors: *l{level - 1}}}" for i in range(10)]
+    else:
+        lines += ["  - key: a", "    metadata:", "      l0: &l0 [1, 2, 3, 4, 5, 6, 7, 8, 9, 10]"]
+        lines += [f"      l{n}: &l{n} [{', '.join([f'*l{n - 1}'] * 10)}]" for n in range(1, 9)]
+    path = write(tmp_path, "\n".join(lines) + "\n")
+    with pytest.raises(
+        ConfigFileError, match=f"more than {MAX_NODES} descriptors and metadata values"
+    ):
+        load_config(path)
+
+
+def test_a_recursive_alias_is_refused(tmp_path: Path) -> None:
+    error = refused(tmp_path, "domain: d\ndescriptors: &a\n  - key: k\n    descriptors: *a\n")
+    assert at(error) == (1, 1)
+    assert "an alias contains itself" in error.reason
 
 
 def test_a_missing_path_is_a_config_error(tmp_path: Path) -> None:

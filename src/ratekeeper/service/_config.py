@@ -50,6 +50,7 @@ if TYPE_CHECKING:
     from ..typing import Algorithm
 
 __all__ = [
+    "MAX_NODES",
     "MAX_REQUESTS_PER_UNIT",
     "UNITS",
     "ConfigFileError",
@@ -79,6 +80,10 @@ UNITS: Final[Mapping[str, int]] = MappingProxyType(
     }
 )
 _UNIT_NAMES = "second, minute, hour, day, week, month or year"
+
+#: The most descriptors and metadata values one file may hold, each use of a YAML alias
+#: counted: aliases of aliases would otherwise expand a small file into billions of rules.
+MAX_NODES: Final = 100_000
 
 #: ``requests_per_unit`` is a uint32 on the wire (``current_limit``), as in upstream's YAML.
 MAX_REQUESTS_PER_UNIT: Final = 2**32 - 1
@@ -552,6 +557,7 @@ class _FileLoader:
         self.source = source
         self.portable = portable
         self.order = 0
+        self.nodes = 0
         self.rules = 0
         self.names: set[str] = set()
         self.replaced: list[tuple[str, Node]] = []
@@ -642,6 +648,14 @@ class _FileLoader:
 
     def load(self, text: str) -> tuple[DomainConfig, Node]:
         try:
+            return self.domain(text)
+        except RecursionError:  # a recursive alias (&a [*a]) or absurd nesting
+            raise ConfigFileError(
+                self.source, 1, 1, "the YAML nests too deeply (or an alias contains itself)"
+            ) from None
+
+    def domain(self, text: str) -> tuple[DomainConfig, Node]:
+        try:
             document = yaml.compose(text, Loader=_LOADER)
         except yaml.MarkedYAMLError as exc:
             mark = exc.problem_mark or exc.context_mark
@@ -684,6 +698,7 @@ class _FileLoader:
         seen: dict[tuple[str, str | None], Node] = {}
         upstream_keys: dict[str, Node] = {}
         for item in self.sequence(node, "descriptors"):
+            self.count(item)
             entries = self.mapping(item, "a descriptor", _DESCRIPTOR_KEYS)
             if "key" not in entries:
                 raise self.error(item, "a descriptor needs a 'key'")
@@ -785,8 +800,19 @@ class _FileLoader:
         result: Mapping[str, Any] = json.loads(json.dumps(data, default=str))
         return MappingProxyType(dict(result))
 
+    def count(self, node: Node) -> None:
+        """Count a descriptor or metadata node: each use of an alias counts again."""
+        self.nodes += 1
+        if self.nodes > MAX_NODES:
+            raise self.error(
+                node,
+                f"more than {MAX_NODES} descriptors and metadata values in one file "
+                "(counting each use of an alias)",
+            )
+
     def no_duplicates(self, node: Node) -> None:
         """Refuse a key written twice in any mapping under ``node`` (PyYAML keeps the last)."""
+        self.count(node)
         if isinstance(node, MappingNode):
             seen: dict[Any, Node] = {}
             for key_node, value_node in node.value:
