@@ -392,6 +392,20 @@ MISTAKES = [
         descriptors:
           - key: k
             rate_limit:
+              unit: second
+              requests_per_unit: 1
+              replaces: [other]
+        """,
+        (7, 18),
+        "a replaces entry is a mapping, as '- name: other', not a string",
+        id="replaces-a-string",
+    ),
+    pytest.param(
+        """
+        domain: d
+        descriptors:
+          - key: k
+            rate_limit:
               algorithm: sliding_log
               unit: second
               requests_per_unit: 20000

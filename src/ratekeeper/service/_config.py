@@ -943,6 +943,10 @@ class _FileLoader:
     def replaces(self, node: Node, name: str | None) -> tuple[str, ...]:
         replaces = []
         for item in self.sequence(node, "replaces"):
+            if isinstance(item, ScalarNode):
+                raise self.error(
+                    item, f"a replaces entry is a mapping, as '- name: {item.value}', not a string"
+                )
             replaced = self.mapping(item, "a replaces entry", _REPLACES_KEYS)
             target_node = replaced["name"][1] if "name" in replaced else item
             target = self.text(target_node, "name") if "name" in replaced else None
