@@ -646,10 +646,14 @@ def test_the_first_mistake_in_the_file_is_the_one_reported(tmp_path: Path) -> No
 
 def test_a_file_that_is_not_utf8_is_refused_at_the_byte(tmp_path: Path) -> None:
     path = tmp_path / "config.yaml"
-    path.write_bytes(b"domain: d\ndescriptors:\n  - key: caf\xe9\n")
+    path.write_bytes("domain: d\ndescriptors:\n  - key: ça\n".encode() + b"  - key: caf\xe9\n")
     with pytest.raises(ConfigFileError) as excinfo:
         load_config(path)
-    assert at(excinfo.value) == (3, 13)
+    assert at(excinfo.value) == (4, 13)
+    path.write_bytes("domain: d\ndescriptors:\n  - key: é".encode() + b"\xe9\n")
+    with pytest.raises(ConfigFileError) as excinfo:
+        load_config(path)
+    assert at(excinfo.value) == (3, 11)  # columns count characters, not bytes
     assert "not valid UTF-8" in str(excinfo.value)
 
 

@@ -88,11 +88,10 @@ MAX_NODES: Final = 100_000
 #: ``requests_per_unit`` is a uint32 on the wire (``current_limit``), as in upstream's YAML.
 MAX_REQUESTS_PER_UNIT: Final = 2**32 - 1
 
-_STR = "tag:yaml.org,2002:str"
 _INT = "tag:yaml.org,2002:int"
 _BOOL = "tag:yaml.org,2002:bool"
 _NULL = "tag:yaml.org,2002:null"
-_TRUE = frozenset({"true", "yes", "on", "y"})
+_TRUE = frozenset({"true", "yes", "on"})  # YAML 1.1, as PyYAML resolves them
 
 # The keys of each mapping: upstream's, then ratekeeper's extensions (refused when portable).
 _ROOT_KEYS = frozenset({"domain", "descriptors"})
@@ -546,7 +545,8 @@ def _read(source: str) -> str:
     except UnicodeDecodeError as exc:
         before = data[: exc.start]
         line = before.count(b"\n") + 1
-        column = len(before) - (before.rfind(b"\n") + 1) + 1
+        # In characters, as YAML's columns are: the line so far is valid UTF-8.
+        column = len(before[before.rfind(b"\n") + 1 :].decode("utf-8-sig")) + 1
         raise ConfigFileError(source, line, column, "the file is not valid UTF-8") from None
 
 
