@@ -3,8 +3,9 @@
 Pure: this module reads files and does no other I/O. ``load_config`` turns a file, or a directory
 of ``*.yaml``/``*.yml`` files with one domain each, into a :class:`ServiceConfig`, refusing any
 mistake with a :class:`ConfigFileError` that names ``path:line:column`` (the first one found:
-files are checked in name order, each from the top, and loading stops there). ``ServiceConfig.resolve`` is what the server calls on
-every request: a few dict lookups per descriptor entry, no parsing and no regular expressions.
+files are checked in name order, each from the top, and loading stops there).
+``ServiceConfig.resolve`` is what the server calls on every request: a few dict lookups per
+descriptor entry, no parsing and no regular expressions.
 
 The format is envoyproxy/ratelimit's (``domain``; nested ``descriptors`` with ``key``,
 ``value``, ``rate_limit`` {``unit``, ``requests_per_unit``, ``unlimited``, ``name``,
