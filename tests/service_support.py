@@ -123,9 +123,11 @@ class ServeProcess:
     """``ratekeeper serve`` in a subprocess; its stderr is read by a thread into a queue, so a
     test waits for a line (a ready line, a reload) instead of sleeping."""
 
-    def __init__(self, *args: str, env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self, *args: str, env: dict[str, str] | None = None, argv: list[str] | None = None
+    ) -> None:
         self.proc = subprocess.Popen(
-            [SCRIPT, "serve", *args],
+            argv if argv is not None else [SCRIPT, "serve", *args],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
             text=True,
@@ -155,7 +157,8 @@ class ServeProcess:
                 ) from None
             if line == "":
                 raise AssertionError(
-                    f"serve exited ({self.proc.wait()}) before {fragment!r}:\n{''.join(self.seen)}"
+                    f"{self.proc.args} exited ({self.proc.wait()}) before {fragment!r}:\n"
+                    + "".join(self.seen)
                 )
             self.seen.append(line)
             if fragment in line:
