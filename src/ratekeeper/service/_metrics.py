@@ -26,6 +26,9 @@ from ._config import LimitRule
 
 __all__ = ["ServiceMetrics"]
 
+#: Labelled counters kept at hand (detailed_metric makes one per request value: bounded).
+_MAX_CHILDREN = 10_000
+
 
 class ServiceMetrics:
     """The service's counters and the limiter's hook (``limiter_metrics``), on ``registry``
@@ -53,6 +56,7 @@ class ServiceMetrics:
         self.reloads = prom.Counter(
             "config_reloads", "Configuration reloads, by outcome.", ("outcome",), **options
         )
+        self._children: dict[tuple[str, str, str], Any] = {}
         self.loaded_at = prom.Gauge(
             "config_loaded_timestamp_seconds",
             "When the configuration in force was loaded (Unix time).",
@@ -68,7 +72,13 @@ class ServiceMetrics:
             outcome = "shadow_mode" if rule.shadow_mode else "over_limit"
         else:
             outcome = "ok"
-        self.decisions.labels(domain, stat_key, outcome).inc()
+        labels = (domain, stat_key, outcome)
+        child = self._children.get(labels)
+        if child is None:  # labels() costs a lock and a tuple walk: once per label set
+            if len(self._children) >= _MAX_CHILDREN:
+                self._children.clear()
+            child = self._children[labels] = self.decisions.labels(*labels)
+        child.inc()
 
     def unavailable(self) -> None:
         self.unavailable_total.inc()
