@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+import socket
 import subprocess
 from collections import Counter
 from pathlib import Path
@@ -150,3 +151,22 @@ def test_environment(tmp_path: Path) -> None:
         (line,) = server.wait_for("ready")
         assert f"gRPC on 127.0.0.1:{grpc_port}, HTTP on 127.0.0.1:{http_port}" in line
         assert str(config) in line
+
+
+@pytest.mark.parametrize("which", ["--grpc-port", "--http-port"])
+def test_port_in_use(tmp_path: Path, which: str) -> None:
+    """With one worker, reuse-port is off: a port another process holds is an error."""
+    config = write(tmp_path / "fleet.yaml", CONFIG)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        other = "--http-port" if which == "--grpc-port" else "--grpc-port"
+        done = subprocess.run(
+            [SCRIPT, "serve", "--config", str(config), "--storage", "memory://",
+             "--host", "127.0.0.1", which, str(port), other, "0"],
+            capture_output=True, text=True, check=False, timeout=60,
+        )  # fmt: skip
+    assert done.returncode == 2
+    kind = "gRPC" if which == "--grpc-port" else "HTTP"
+    assert f"cannot serve {kind} on 127.0.0.1:{port}" in done.stderr

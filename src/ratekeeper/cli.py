@@ -601,7 +601,8 @@ _FAILURE_MODES = ("raise", "open", "closed", "local")
     "--portable",
     env="RATEKEEPER_SERVE_PORTABLE",
     is_flag=True,
-    help="Refuse ratekeeper's extensions, so the files stay loadable by envoyproxy/ratelimit.",
+    help="With --check or --config: refuse ratekeeper's extensions, so the files stay loadable "
+    "by envoyproxy/ratelimit.",
 )
 @option("--storage", env=STORAGE_ENV, default=None, metavar="URL", help=STORAGE_HELP)
 @option(
@@ -732,6 +733,7 @@ def serve(
         key_prefix=key_prefix,
         response_headers=response_headers,
         reload_interval=reload_interval,
+        portable=portable,
     )
     try:
         status = run_server(options)

@@ -122,7 +122,7 @@ class ConfigWatcher:
                 self.apply(config)
                 self.generation += 1
                 ok, self.last_error = True, None
-                log.warning(
+                log.info(
                     "ratekeeper serve: %s: configuration reloaded from %s (%d file(s))",
                     reason,
                     self.path,

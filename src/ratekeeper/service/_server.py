@@ -61,6 +61,7 @@ class ServeOptions:
     response_headers: bool = False
     reload_interval: float = 0.25
     grace: float = 5.0
+    portable: bool = False
 
 
 def _reuse_port_socket(host: str, port: int, reuse_port: bool) -> socket.socket:
@@ -96,6 +97,7 @@ class Service:
             options.config,
             self._apply,
             interval=options.reload_interval,
+            portable=options.portable,
             on_result=self.metrics.reloaded,
         )
         self.grpc_port = options.grpc_port
@@ -164,7 +166,10 @@ class Service:
         self._health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         await self._health.set(RLS_SERVICE, health_pb2.HealthCheckResponse.SERVING)
-        bound = server.add_insecure_port(_address(options.host, options.grpc_port))
+        try:
+            bound = server.add_insecure_port(_address(options.host, options.grpc_port))
+        except RuntimeError:  # grpcio raises when it cannot bind; older ones return 0
+            bound = 0
         if bound == 0:
             raise ConfigError(
                 f"cannot serve gRPC on {_address(options.host, options.grpc_port)}: "
@@ -260,6 +265,7 @@ def _worker_main(options: ServeOptions) -> None:
         format="%(asctime)s %(levelname)s %(name)s[%(process)d]: %(message)s",
         stream=sys.stderr,
     )
+    log.setLevel(logging.INFO)  # reloads are worth a line
     try:
         asyncio.run(run_worker(options, _ready_line))
     except ConfigError as exc:
@@ -276,7 +282,7 @@ def serve(options: ServeOptions) -> int:
         return 0
     if options.grpc_port == 0 or options.http_port == 0:
         raise ConfigError("--workers above 1 needs fixed ports: port 0 gives each its own")
-    load_config(options.config)  # a bad file stops here, once, with its location
+    load_config(options.config, portable=options.portable)  # a bad file stops here, once
     context = multiprocessing.get_context("spawn")
     children = [
         context.Process(target=_worker_main, args=(options,), name=f"ratekeeper-worker-{i}")
