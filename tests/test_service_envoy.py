@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 from .servers import RedisServer, free_port
-from .service_support import ServeProcess, serve_process, write
+from .service_support import STORE_TIMEOUT, ServeProcess, serve_process, write
 
 ENVOY = shutil.which("envoy", path=os.path.dirname(sys.executable))
 
@@ -70,7 +70,7 @@ static_resources:
               domain: edge
               failure_mode_deny: false
               enable_x_ratelimit_headers: DRAFT_VERSION_03
-              timeout: 2s
+              timeout: 10s
               rate_limit_service:
                 transport_api_version: V3
                 grpc_service:
@@ -136,7 +136,7 @@ def test_envoy_in_front(tmp_path: Path, servers: dict[str, RedisServer]) -> None
         serve_process(
             "--config", str(config), "--storage", redis_url, "--host", "127.0.0.1",
             "--grpc-port", str(rls_port), "--http-port", str(free_port()),
-            "--key-prefix", f"envoy{rls_port}",
+            "--key-prefix", f"envoy{rls_port}", "--timeout", str(STORE_TIMEOUT),
         ) as service,
     ):  # fmt: skip
         bootstrap = write(

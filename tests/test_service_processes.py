@@ -17,7 +17,7 @@ import pytest
 
 from .private_servers import private_servers
 from .servers import free_port
-from .service_support import OURS, SCRIPT, serve_process, write
+from .service_support import OURS, SCRIPT, STORE_TIMEOUT, serve_process, write
 
 pytestmark = pytest.mark.usefixtures("binaries")
 
@@ -64,7 +64,8 @@ def test_two_servers_exact(tmp_path: Path) -> None:
     with private_servers() as started:
         redis_url = next(iter(started.values())).url
         grpc_ports = [free_port(), free_port()]
-        common = ("--config", str(config), "--storage", redis_url, "--host", "127.0.0.1")
+        common = ("--config", str(config), "--storage", redis_url, "--host", "127.0.0.1",
+                  "--timeout", str(STORE_TIMEOUT))  # fmt: skip
         servers = [
             serve_process(*common, "--grpc-port", str(port), "--http-port", str(free_port()))
             for port in grpc_ports
@@ -86,6 +87,7 @@ def test_workers_share_the_ports(tmp_path: Path) -> None:
         with serve_process(
             "--config", str(config), "--storage", redis_url, "--host", "127.0.0.1",
             "--grpc-port", str(grpc_port), "--http-port", str(http_port), "--workers", "2",
+            "--timeout", str(STORE_TIMEOUT),
         ) as server:  # fmt: skip
             lines = server.wait_for("ready", count=2)
             pids = {re.search(r"worker (\d+)", line).group(1) for line in lines}  # type: ignore[union-attr]
