@@ -137,6 +137,9 @@ class Service:
             options.storage,
             key_prefix=options.key_prefix,
             failure_mode=options.failure_mode,
+            # "local" in a fleet of workers and pods: each grants its share of the limit,
+            # counted through the store while it answers (see the library's AutoShare)
+            local_share="auto" if options.failure_mode == "local" else 1.0,
             metrics=self.metrics.limiter_metrics,
             timeout=options.timeout,
             connect_timeout=options.timeout,
