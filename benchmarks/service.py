@@ -146,7 +146,14 @@ async def aio_client(port: int, streams: int, seconds: float, warmup: float) -> 
     calls that started inside the measured window."""
     import grpc
 
-    channels = [grpc.aio.insecure_channel(f"127.0.0.1:{port}") for _ in range(connections(streams))]
+    # A local subchannel pool gives each channel its own connection (gRPC shares one between
+    # channels to one target by default, and SO_REUSEPORT spreads connections, not calls).
+    channels = [
+        grpc.aio.insecure_channel(
+            f"127.0.0.1:{port}", options=[("grpc.use_local_subchannel_pool", 1)]
+        )
+        for _ in range(connections(streams))
+    ]
     calls = [
         channel.unary_unary(
             RLS_METHOD,

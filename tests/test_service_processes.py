@@ -13,6 +13,7 @@ from collections import Counter
 from pathlib import Path
 
 import grpc
+import httpx
 import pytest
 
 from .private_servers import private_servers
@@ -42,7 +43,11 @@ async def hammer(ports: list[int]) -> Counter[str]:
 
     async def client(n: int) -> None:
         port = ports[n % len(ports)]
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        # a local subchannel pool: a connection of its own (gRPC shares one between channels
+        # to one target by default, and the kernel spreads connections, not calls)
+        async with grpc.aio.insecure_channel(
+            f"127.0.0.1:{port}", options=[("grpc.use_local_subchannel_pool", 1)]
+        ) as channel:
             call = OURS.caller(channel)
             await channel.channel_ready()
             await start.wait()
@@ -96,6 +101,28 @@ def test_workers_share_the_ports(tmp_path: Path) -> None:
                 assert f"gRPC on 127.0.0.1:{grpc_port}, HTTP on 127.0.0.1:{http_port}" in line
             admitted = asyncio.run(hammer([grpc_port]))
             assert admitted == {"slog": 100, "fixed": 100}
+            # Each scrape on a fresh connection lands on a worker the kernel picks: both
+            # workers decided, and their counts add up to exactly the limit.
+            ok: dict[str, dict[str, float]] = {}
+            for _ in range(40):
+                text = httpx.get(f"http://127.0.0.1:{http_port}/metrics").text
+                pid = re.search(r'ratekeeper_service_worker_info\{pid="(\d+)"\}', text)
+                assert pid is not None
+                ok[pid.group(1)] = {
+                    key: float(found.group(1)) if found else 0.0
+                    for key in ("slog", "fixed")
+                    for found in [
+                        re.search(
+                            rf'ratekeeper_service_decisions_total\{{descriptor="fleet.{key}",'
+                            rf'domain="fleet",outcome="ok"\}} (\S+)',
+                            text,
+                        )
+                    ]
+                }
+            assert set(ok) == pids
+            for key in ("slog", "fixed"):
+                assert sum(counts[key] for counts in ok.values()) == 100
+                assert all(counts[key] > 0 for counts in ok.values())
             assert server.stop() == 0  # SIGTERM to the parent stops both workers
 
 

@@ -13,10 +13,12 @@ the same registry; this module adds what only the service knows:
   ``failure_mode="raise"`` (the RPC failed with UNAVAILABLE)
 * ``ratekeeper_service_config_reloads_total{outcome}``: ``ok`` or ``error``
 * ``ratekeeper_service_config_loaded_timestamp_seconds``: when the configuration in force loaded
+* ``ratekeeper_service_worker_info{pid}``: the process that answered the scrape
 """
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Any
 
@@ -57,6 +59,10 @@ class ServiceMetrics:
             "config_reloads", "Configuration reloads, by outcome.", ("outcome",), **options
         )
         self._children: dict[tuple[str, str, str], Any] = {}
+        # Which worker answered a scrape (with --workers, the kernel picks one per connection).
+        prom.Info("worker", "The worker process serving this scrape.", **options).info(
+            {"pid": str(os.getpid())}
+        )
         self.loaded_at = prom.Gauge(
             "config_loaded_timestamp_seconds",
             "When the configuration in force was loaded (Unix time).",
