@@ -144,7 +144,11 @@ class ConfigWatcher:
         return await self.reload("a change in the configuration files")
 
     async def run(self) -> None:
-        """Poll until cancelled."""
+        """Poll until cancelled. An unexpected error (a bug, not a bad file) is logged with its
+        traceback and polling goes on: the server keeps serving the configuration in force."""
         while True:
             await asyncio.sleep(self.interval)
-            await self.poll_once()
+            try:
+                await self.poll_once()
+            except Exception:
+                log.exception("ratekeeper serve: watching %s failed", self.path)
