@@ -19,8 +19,7 @@ from starlette.routing import Route
 
 from ratekeeper import AsyncLimiter, ConfigError, Policy
 from ratekeeper import identity as identity_module
-from ratekeeper._http import Limiting, anonymous_identity
-from ratekeeper._http import Route as Charged
+from ratekeeper._http import Limiting, StoreCall, anonymous_identity
 from ratekeeper.asgi import RateLimitMiddleware
 from ratekeeper.identity import Request, client_ip, first, header
 
@@ -361,14 +360,14 @@ def test_first_takes_the_first_identity_found():
 
 def test_the_fallback_identity_is_the_address_under_its_own_prefix():
     limiting = Limiting(policy=Policy("p", "1/minute"), key=header("x-api-key"))
-    route = limiting.route(request("203.0.113.7"))
-    assert isinstance(route, Charged)
+    route = limiting.admit(request("203.0.113.7")).send(None)
+    assert isinstance(route, StoreCall)
     assert route.identity == "anonymous:ip:203.0.113.7"
     assert anonymous_identity(client_ip()(request("2001:db8::1"))) == "anonymous:ip:2001:db8::/64"
     assert anonymous_identity(None) == "anonymous:no-address"
     # The peer, not a forwarding header a client could pick.
-    lying = limiting.route(request("203.0.113.7", x_forwarded_for="198.51.100.1"))
-    assert isinstance(lying, Charged)
+    lying = limiting.admit(request("203.0.113.7", x_forwarded_for="198.51.100.1")).send(None)
+    assert isinstance(lying, StoreCall)
     assert lying.identity == route.identity
 
 
