@@ -120,7 +120,8 @@ class RateLimitMiddleware:
     would be made up; a degraded denial (failure mode ``closed``) is still a 429. The headers
     list every policy that applied in ``RateLimit-Policy``; ``RateLimit`` is the one that
     constrains most. The decisions charged before the app runs are in
-    ``scope["state"]["ratekeeper"]``.
+    ``scope["state"]["ratekeeper"]`` (an empty tuple when none was: exempt, no policy applied;
+    a ``deduct_when`` policy is charged after the app).
 
     On ``memory://`` in a process that is evidently one of several workers (``uvicorn
     --workers``, gunicorn), a warning is logged once: each worker would admit the whole limit.
@@ -177,6 +178,7 @@ class RateLimitMiddleware:
         request = request_from_scope(scope)
         admission: Admission | None = await drive_async(self.limiting.admit(request), self.limiter)
         if admission is None:
+            scope.setdefault("state", {})[STATE_KEY] = ()
             await self.app(scope, receive, send)
             return
         if admission.response is not None:

@@ -119,6 +119,7 @@ class RateLimitMiddleware:
             self.limiting.admit(request_from_environ(environ)), self.limiter
         )
         if admission is None:
+            environ[STATE_KEY] = ()
             return self.app(environ, start_response)
         if admission.response is not None:
             status, out, body = admission.response
