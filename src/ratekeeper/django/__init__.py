@@ -24,17 +24,27 @@ from __future__ import annotations
 
 import functools
 import re
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Generator, Iterable
 from typing import Any
 
 from asgiref.sync import iscoroutinefunction, markcoroutinefunction
 from django.core.exceptions import ImproperlyConfigured
+from django.core.handlers.wsgi import WSGIRequest
 from django.http import HttpRequest, HttpResponse, HttpResponseBase
 
 from .._decision import Decision
 from .._errors import ConfigError
-from .._http import Admission, Limiting, Rule, drive_async, drive_sync, warn_memory_under_workers
-from .._limiter import AsyncLimiter, Limiter
+from .._http import (
+    Admission,
+    Limiting,
+    Rule,
+    Steps,
+    StoreCall,
+    drive_async,
+    drive_sync,
+    warn_memory_under_workers,
+)
+from .._limiter import Limiter
 from .._policy import Policy
 from . import checks as checks
 from ._settings import (
@@ -89,14 +99,46 @@ def _run_sync(
     return _with_headers(response, headers)
 
 
+def _one(step: StoreCall) -> Generator[StoreCall, Any, Any]:
+    reply = yield step
+    return reply
+
+
+async def _drive_blocking(steps: Steps, limiter: Limiter) -> Any:
+    """``drive_async`` with the blocking limiter's store calls (made by ``drive_sync``)."""
+    reply: Any = None
+    while True:
+        try:
+            step = steps.send(reply)
+        except StopIteration as done:
+            return done.value
+        if isinstance(step, StoreCall):
+            reply = drive_sync(_one(step), limiter)
+        else:
+            reply = await step
+
+
 async def _run_async(
-    limiting: Limiting,
-    limiter: AsyncLimiter,
-    request: HttpRequest,
-    handler: Callable[[], Awaitable[Any]],
+    limiting: Limiting, conf: Config, request: HttpRequest, handler: Callable[[], Awaitable[Any]]
 ) -> Any:
-    """:func:`_run_sync` on the asyncio limiter, awaiting async callables."""
-    admission = await drive_async(limiting.admit(request_view(request)), limiter)
+    """:func:`_run_sync` for an async view or chain, awaiting async callables.
+
+    Under ASGI the store calls go through the AsyncLimiter of the server's event loop. Under
+    WSGI, Django runs an async view on an event loop of its own for that one request (in
+    ``async_to_sync``): there the blocking limiter makes the store calls, on its pool, instead
+    of opening a connection on a loop that is closed after the request."""
+    if isinstance(request, WSGIRequest):
+        limiter = conf.limiter()
+
+        def drive(steps: Steps) -> Awaitable[Any]:
+            return _drive_blocking(steps, limiter)
+    else:
+        async_limiter = conf.async_limiter()
+
+        def drive(steps: Steps) -> Awaitable[Any]:
+            return drive_async(steps, async_limiter)
+
+    admission = await drive(limiting.admit(request_view(request)))
     if admission is None:
         return await handler()
     if admission.blocked:
@@ -106,7 +148,7 @@ async def _run_async(
     response = await handler()
     headers = admission.headers
     if admission.deferred:
-        headers = await drive_async(limiting.settle(admission, response.status_code), limiter)
+        headers = await drive(limiting.settle(admission, response.status_code))
         _record(request, admission.decisions[: len(admission.decisions) - len(before)])
     return _with_headers(response, headers)
 
@@ -135,9 +177,8 @@ class RateLimitMiddleware:
                 "settings.RATEKEEPER: RateLimitMiddleware needs a 'POLICY', 'RULES' or "
                 "'APPLICATION_POLICY' (the ratelimit decorator needs none)"
             )
-        if conf.enabled:
-            limiter = conf.async_limiter() if self.is_async else conf.limiter()
-            warn_memory_under_workers(limiter, "ratekeeper.django.RateLimitMiddleware")
+        if conf.enabled:  # the blocking limiter has the same store as the asyncio one
+            warn_memory_under_workers(conf.limiter(), "ratekeeper.django.RateLimitMiddleware")
 
     def __call__(self, request: HttpRequest) -> Any:
         if self.is_async:
@@ -153,9 +194,7 @@ class RateLimitMiddleware:
         limiting = conf.middleware(True)
         if not conf.enabled or limiting is None:
             return await self.get_response(request)
-        return await _run_async(
-            limiting, conf.async_limiter(), request, lambda: self.get_response(request)
-        )
+        return await _run_async(limiting, conf, request, lambda: self.get_response(request))
 
 
 _NOT_IN_NAME = re.compile(r"[^A-Za-z0-9_.:/-]+")
@@ -251,10 +290,7 @@ def ratelimit(
                 if not conf.enabled:
                     return await view(*args, **kwargs)
                 return await _run_async(
-                    limiting(conf),
-                    conf.async_limiter(),
-                    _django_request(args),
-                    lambda: view(*args, **kwargs),
+                    limiting(conf), conf, _django_request(args), lambda: view(*args, **kwargs)
                 )
 
             return async_wrapper

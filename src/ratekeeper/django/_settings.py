@@ -7,8 +7,10 @@ dropped when Django's ``setting_changed`` signal names ``RATEKEEPER`` (``overrid
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import threading
+import weakref
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -278,7 +280,9 @@ class Config:
             raise SettingsError(f"{where}: {exc}") from None
         self._lock = threading.Lock()
         self._sync: Limiter | None = None
-        self._async: AsyncLimiter | None = None
+        self._async: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, AsyncLimiter] = (
+            weakref.WeakKeyDictionary()
+        )
         # Bad URLs and options are found now; nothing is sent until the first decision.
         self.limiter()
 
@@ -307,13 +311,15 @@ class Config:
         return limiter
 
     def async_limiter(self) -> AsyncLimiter:
-        """The process's asyncio limiter, for ASGI requests and async views."""
-        limiter = self._async
+        """The asyncio limiter of the running event loop (one for an ASGI server's process),
+        for ASGI requests and async views: its connections belong to that loop."""
+        loop = asyncio.get_running_loop()
+        limiter = self._async.get(loop)
         if limiter is None:
             with self._lock:
-                if self._async is None:
-                    self._async = self._open(AsyncLimiter)
-                limiter = self._async
+                limiter = self._async.get(loop)
+                if limiter is None:
+                    limiter = self._async[loop] = self._open(AsyncLimiter)
         return limiter
 
     def _open(self, kind: type[Any]) -> Any:
