@@ -33,6 +33,7 @@ from ratekeeper._http import (
     Request,
     Rule,
     StoreCall,
+    drive_async,
     make_rules,
     match_rule,
     merge_headers,
@@ -41,6 +42,7 @@ from ratekeeper._http import (
     rate_limit_headers,
     response_headers,
 )
+from ratekeeper.identity import header
 
 from .web_apps import asgi_client, plain_app
 
@@ -134,6 +136,55 @@ def test_problem_body():
     assert body["retry_after"] == 0.2
     assert "name" in body["detail"]
     assert "100/minute" in body["detail"]
+
+
+@pytest.mark.parametrize(
+    "retry_after", [0.0004, 0.2, 1.0, 59.9991, 12345.6789, 1e16, math.inf, None]
+)
+def test_the_problem_body_is_compact_json_of_the_problem(retry_after: float | None):
+    """The body is built from a kept prefix per policy and rate: byte for byte what
+    ``json.dumps`` of the whole problem gives."""
+    denial = decision(allowed=False, remaining=0, retry_after=retry_after)
+    problem: dict[str, Any] = {
+        "type": "about:blank",
+        "title": "Too Many Requests",
+        "status": 429,
+        "detail": f"Rate limit exceeded for policy 'name' ({denial.rate}).",
+        "policy": "name",
+    }
+    if retry_after is not None and math.isfinite(retry_after):
+        problem["retry_after"] = math.ceil(retry_after * 1000) / 1000
+    expected = json.dumps(problem, separators=(",", ":")).encode()
+    assert problem_body(denial) == problem_body(denial) == expected
+
+
+def test_headers_are_decoded_only_when_read():
+    def scope() -> dict[str, Any]:
+        return {
+            "type": "http",
+            "method": "GET",
+            "path": "/",
+            "headers": [(b"x-api-key", b"k"), (b"X-Two", b"a"), (b"x-two", b"b")],
+            "client": (PEER, 1),
+        }
+
+    async def decide(limiting: Limiting, view: Request) -> Any:
+        async with AsyncLimiter.from_url("memory://") as limiter:
+            return await drive_async(limiting.admit(view), limiter)
+
+    # client_ip() with no trusted proxy never reads a header: they are never decoded.
+    view = asgi.request_from_scope(scope())
+    admission = asyncio.run(decide(Limiting(policy=Policy("p", "5/minute")), view))
+    assert admission.decisions[0].remaining == 4
+    assert view.headers._decoded is None  # type: ignore[attr-defined]
+    # A key function that reads one decodes them all, once; repeated names are joined.
+    view = asgi.request_from_scope(scope())
+    keyed = Limiting(policy=Policy("p", "5/minute"), key=header("x-api-key"))
+    asyncio.run(decide(keyed, view))
+    assert view.headers._decoded == {"x-api-key": "k", "x-two": "a, b"}  # type: ignore[attr-defined]
+    assert view.headers == {"x-api-key": "k", "x-two": "a, b"}
+    assert "x-two" in view.headers
+    assert len(view.headers) == 2
 
 
 def test_merge_headers_drops_the_apps_copies_whatever_their_case():

@@ -28,7 +28,7 @@ import math
 import os
 import re
 import threading
-from collections.abc import Awaitable, Callable, Generator, Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Generator, Iterable, Iterator, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
@@ -49,6 +49,7 @@ __all__ = [
     "DeniedResponse",
     "KeyChoice",
     "KeyFunc",
+    "LazyHeaders",
     "Limiting",
     "MissingIdentity",
     "PolicyChoice",
@@ -105,6 +106,43 @@ class Request:
     headers: Mapping[str, str]
     peer: str | None
     raw: Any = field(default=None, compare=False, repr=False)
+
+
+class LazyHeaders(Mapping[str, str]):
+    """A request's headers, decoded by ``decode(source)`` on first use: a request whose key
+    function never reads a header (``client_ip()`` with no trusted proxy) never decodes
+    them."""
+
+    __slots__ = ("_decode", "_decoded", "_source")
+
+    def __init__(self, source: Any, decode: Callable[[Any], dict[str, str]]) -> None:
+        self._source = source
+        self._decode = decode
+        self._decoded: dict[str, str] | None = None
+
+    def _all(self) -> dict[str, str]:
+        decoded = self._decoded
+        if decoded is None:
+            decoded = self._decoded = self._decode(self._source)
+        return decoded
+
+    def __getitem__(self, name: str) -> str:
+        return self._all()[name]
+
+    def get(self, name: str, default: Any = None) -> Any:
+        return self._all().get(name, default)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._all()
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._all())
+
+    def __len__(self) -> int:
+        return len(self._all())
+
+    def __repr__(self) -> str:
+        return repr(self._all())
 
 
 #: A key function returns the identity for a request, or None when it has none.
@@ -275,26 +313,48 @@ def _constraining(decisions: Sequence[Decision]) -> Decision:
     return min(decisions, key=lambda d: (d.remaining, -d.reset_after))
 
 
-def headers_for(decisions: Sequence[Decision], *, legacy: bool = False) -> list[tuple[str, str]]:
+#: The ``RateLimit-Policy`` item of each (policy name, rate) seen: they repeat on every request.
+_policy_items: dict[tuple[str, Any], str] = {}
+_MAX_ITEMS = 1024
+
+
+def _policy_item(decision: Decision) -> str:
+    key = (decision.policy, decision.rate)
+    item = _policy_items.get(key)
+    if item is None:
+        # Policy names never need escaping in an sf-string (see Policy).
+        rate = decision.rate
+        item = f'"{decision.policy}";q={rate.limit};w={math.ceil(rate.period)}'
+        if len(_policy_items) >= _MAX_ITEMS:
+            _policy_items.clear()
+        _policy_items[key] = item
+    return item
+
+
+def headers_for(
+    decisions: Sequence[Decision], *, legacy: bool = False, retry_after: bool = True
+) -> list[tuple[str, str]]:
     """The IETF ``RateLimit-Policy`` and ``RateLimit`` headers (draft-ietf-httpapi-ratelimit-
     headers) for the decisions of one request: ``RateLimit-Policy`` lists every policy, in
     order (a structured-field list); ``RateLimit`` reports the one that constrains most (see
-    :func:`_constraining`), as does ``Retry-After`` on a denial and, if asked, the legacy
+    :func:`_constraining`), as does ``Retry-After`` on a denial (unless ``retry_after`` is
+    false: a response that is passed on need not wait) and, if asked, the legacy
     ``X-RateLimit-*`` trio. Policy names are quoted sf-strings; times are whole seconds,
     rounded up, so a client that waits them is never early."""
     if not decisions:
         return []
-    top = decisions[0] if len(decisions) == 1 else _constraining(decisions)
+    if len(decisions) == 1:
+        top = decisions[0]
+        listed = _policy_item(top)
+    else:
+        top = _constraining(decisions)
+        listed = ", ".join([_policy_item(d) for d in decisions])
     reset = math.ceil(top.reset_after)
-    # Policy names never need escaping in an sf-string (see Policy).
-    listed = ", ".join(
-        f'"{d.policy}";q={d.rate.limit};w={math.ceil(d.rate.period)}' for d in decisions
-    )
     headers = [
         ("RateLimit-Policy", listed),
         ("RateLimit", f'"{top.policy}";r={top.remaining};t={reset}'),
     ]
-    if top.retry_after is not None and math.isfinite(top.retry_after):
+    if retry_after and top.retry_after is not None and math.isfinite(top.retry_after):
         headers.append(("Retry-After", str(max(1, math.ceil(top.retry_after)))))
     if legacy:
         headers += [
@@ -311,17 +371,19 @@ def rate_limit_headers(decision: Decision, *, legacy: bool = False) -> list[tupl
 
 
 def response_headers(
-    decisions: Decision | Sequence[Decision], *, legacy: bool = False
+    decisions: Decision | Sequence[Decision], *, legacy: bool = False, retry_after: bool = True
 ) -> list[tuple[str, str]]:
     """The headers a middleware adds for the decisions of a request. A degraded decision's
     numbers are made up by the failure mode, so it is left out, except for the
     ``Retry-After`` of a degraded denial."""
     if isinstance(decisions, Decision):
         decisions = (decisions,)
+    if len(decisions) == 1 and not decisions[0].degraded:  # the usual case, built directly
+        return headers_for(decisions, legacy=legacy, retry_after=retry_after)
     exact = [d for d in decisions if not d.degraded]
-    headers = headers_for(exact, legacy=legacy)
+    headers = headers_for(exact, legacy=legacy, retry_after=retry_after)
     denied = [d for d in decisions if d.degraded and not d.allowed]
-    if denied and not any(name == "Retry-After" for name, _ in headers):
+    if retry_after and denied and not any(name == "Retry-After" for name, _ in headers):
         headers += [h for h in headers_for(denied) if h[0] == "Retry-After"]
     return headers
 
@@ -345,18 +407,31 @@ def missing_identity_response() -> tuple[int, list[tuple[str, str]], bytes]:
     return 400, with_length([("Content-Type", "application/problem+json")], body), body
 
 
+#: The part of the 429 body before ``retry_after``, per (policy name, rate).
+_problem_heads: dict[tuple[str, Any], str] = {}
+
+
 def problem_body(decision: Decision) -> bytes:
-    """An RFC 9457 ``application/problem+json`` body for a 429."""
-    problem: dict[str, Any] = {
-        "type": "about:blank",
-        "title": "Too Many Requests",
-        "status": 429,
-        "detail": f"Rate limit exceeded for policy {decision.policy!r} ({decision.rate}).",
-        "policy": decision.policy,
-    }
-    if decision.retry_after is not None and math.isfinite(decision.retry_after):
-        problem["retry_after"] = math.ceil(decision.retry_after * 1000) / 1000
-    return json.dumps(problem, separators=(",", ":")).encode()
+    """An RFC 9457 ``application/problem+json`` body for a 429 (compact JSON)."""
+    key = (decision.policy, decision.rate)
+    head = _problem_heads.get(key)
+    if head is None:
+        problem = {
+            "type": "about:blank",
+            "title": "Too Many Requests",
+            "status": 429,
+            "detail": f"Rate limit exceeded for policy {decision.policy!r} ({decision.rate}).",
+            "policy": decision.policy,
+        }
+        head = json.dumps(problem, separators=(",", ":"))[:-1]
+        if len(_problem_heads) >= _MAX_ITEMS:
+            _problem_heads.clear()
+        _problem_heads[key] = head
+    retry = decision.retry_after
+    if retry is not None and math.isfinite(retry):
+        # float repr is what json.dumps writes for a float
+        return f'{head},"retry_after":{math.ceil(retry * 1000) / 1000!r}}}'.encode()
+    return f"{head}}}".encode()
 
 
 def with_length(headers: Iterable[tuple[str, str]], body: bytes) -> list[tuple[str, str]]:
@@ -758,8 +833,7 @@ class Limiting:
 
     def _passed(self, decisions: Sequence[Decision]) -> list[tuple[str, str]]:
         # Passed on (allowed, or shadow mode): no Retry-After, the client need not wait.
-        headers = response_headers(decisions, legacy=self.legacy_headers)
-        return [h for h in headers if h[0] != "Retry-After"]
+        return response_headers(decisions, legacy=self.legacy_headers, retry_after=False)
 
     def _deny(self, decisions: Sequence[Decision], denial: Decision, request: Request) -> Admission:
         headers = response_headers(decisions, legacy=self.legacy_headers)

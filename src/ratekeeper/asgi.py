@@ -32,6 +32,7 @@ from ._http import (
     CostChoice,
     DeniedResponse,
     KeyChoice,
+    LazyHeaders,
     Limiting,
     MissingIdentity,
     PolicyChoice,
@@ -61,18 +62,23 @@ Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 
-def request_from_scope(scope: Scope) -> Request:
-    """The framework-free view of an ASGI HTTP or websocket scope."""
+def _scope_headers(raw: Iterable[tuple[bytes, bytes]]) -> dict[str, str]:
     headers: dict[str, str] = {}
-    for raw_name, raw_value in scope.get("headers") or ():
+    for raw_name, raw_value in raw:
         name = raw_name.decode("latin-1").lower()
         value = raw_value.decode("latin-1")
         headers[name] = f"{headers[name]}, {value}" if name in headers else value
+    return headers
+
+
+def request_from_scope(scope: Scope) -> Request:
+    """The framework-free view of an ASGI HTTP or websocket scope (its headers are decoded
+    when first read)."""
     client = scope.get("client")
     return Request(
         method=scope.get("method", "GET"),
         path=scope.get("path", "/"),
-        headers=headers,
+        headers=LazyHeaders(scope.get("headers") or (), _scope_headers),
         peer=client[0] if client else None,
         raw=scope,
     )

@@ -27,6 +27,7 @@ from ._http import (
     CostChoice,
     DeniedResponse,
     KeyChoice,
+    LazyHeaders,
     Limiting,
     MissingIdentity,
     PolicyChoice,
@@ -53,17 +54,20 @@ _REASONS = {
 }
 
 
-def request_from_environ(environ: dict[str, Any]) -> Request:
-    """The framework-free view of a WSGI environ."""
-    headers = {
+def _environ_headers(environ: dict[str, Any]) -> dict[str, str]:
+    return {
         name[5:].replace("_", "-").lower(): value
         for name, value in environ.items()
         if name.startswith("HTTP_") and isinstance(value, str)
     }
+
+
+def request_from_environ(environ: dict[str, Any]) -> Request:
+    """The framework-free view of a WSGI environ (its headers are decoded when first read)."""
     return Request(
         method=environ.get("REQUEST_METHOD", "GET"),
         path=environ.get("PATH_INFO", "/") or "/",
-        headers=headers,
+        headers=LazyHeaders(environ, _environ_headers),
         peer=environ.get("REMOTE_ADDR") or None,
         raw=environ,
     )
