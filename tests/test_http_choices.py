@@ -521,3 +521,32 @@ def test_several_workers_is_read_from_the_environment_and_the_parent():
         ([], None),
     ]:
         assert several_workers({}, argv) == expected, argv
+
+
+def test_deduct_when_on_a_websocket_counts_refused_handshakes():
+    """A handshake the app closes before accepting is a 403, an accepted one a 101."""
+    from .web_apps import websocket_handshake, websocket_scope
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        await receive()
+        if dict(scope["headers"]).get(b"x-token") == b"good":
+            await send({"type": "websocket.accept"})
+            await send({"type": "websocket.close", "code": 1000})
+        else:
+            await send({"type": "websocket.close", "code": 1008})
+
+    async def main() -> list[str]:
+        async with AsyncLimiter.from_url("memory://") as limiter:
+            wrapped = RateLimitMiddleware(
+                app,
+                limiter=limiter,
+                rules=[Rule("/ws", Policy("ws-bad", "2/minute"), deduct_when=lambda s: s == 403)],
+            )
+            out = []
+            for token in ["good", "bad", "good", "bad", "good", "bad"]:
+                sent = await websocket_handshake(wrapped, websocket_scope(x_token=token))
+                out.append("accepted" if sent[0]["type"] == "websocket.accept" else "closed")
+            return out
+
+    # Accepted handshakes cost nothing; after 2 refused ones every handshake is refused.
+    assert asyncio.run(main()) == ["accepted", "closed", "accepted", "closed", "closed", "closed"]

@@ -332,6 +332,38 @@ def test_memory_under_several_uvicorn_workers_warns_once_a_worker(workers: int):
         assert MEMORY_WARNING not in output, output
 
 
+def test_memory_under_several_gunicorn_workers_warns_once_a_worker():
+    port = free_port()
+    env = {**os.environ, ENV_URL: "memory://", ENV_PREFIX: f"web-{uuid.uuid4().hex[:12]}"}
+    env.pop("WEB_CONCURRENCY", None)
+    command = [
+        sys.executable, "-m", "gunicorn", "-w", "2", "-b", f"127.0.0.1:{port}",
+        "tests.web_apps:create_wsgi_app()",
+    ]  # fmt: skip
+    with tempfile.TemporaryFile() as log:
+        proc = subprocess.Popen(
+            command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )  # fmt: skip
+        try:
+            _wait_until(
+                lambda: _log_text(log).count(MEMORY_WARNING) >= 2, proc, log, "gunicorn's workers"
+            )
+            with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=10) as http:
+                _wait_until(
+                    lambda: (r := _get(http, "/health")) is not None and r.status_code == 200,
+                    proc,
+                    log,
+                    "gunicorn's /health",
+                )
+                assert http.get("/api/items").status_code == 200
+            output = _log_text(log)
+        finally:
+            _stop(proc)
+    assert output.count(MEMORY_WARNING) == 2, output  # once in each worker (WSGI middleware)
+    assert "(gunicorn with 2 workers)" in output
+
+
 # --- ratekeeper demo --serve ---------------------------------------------------------------------
 
 

@@ -154,6 +154,22 @@ def create_litestar_app() -> Any:
     )
 
 
+def create_wsgi_app() -> Any:
+    """The gunicorn factory (``tests.web_apps:create_wsgi_app()``): a plain WSGI app behind the
+    WSGI middleware on ``RATEKEEPER_WEB_REDIS_URL``."""
+    from ratekeeper import Limiter
+    from ratekeeper.wsgi import RateLimitMiddleware as WSGIMiddleware
+
+    url = os.environ[ENV_URL]
+    limiter = Limiter.from_url(url, **exact_options(url, os.environ[ENV_PREFIX]))
+
+    def app(environ: dict[str, Any], start_response: Any) -> list[bytes]:
+        start_response("200 OK", [("Content-Type", "text/plain")])
+        return [b"ok"]
+
+    return WSGIMiddleware(app, limiter=limiter, policy=SERVED_API, exempt=["/health"])
+
+
 # --- in-process drivers ------------------------------------------------------------------------
 
 
