@@ -302,6 +302,23 @@ def test_key_names_as_django_ratelimit_users_expect():
     assert statuses(by_path, [get(HTTP_X_TENANT="t9"), get(HTTP_X_TENANT="t9")]) == [200, 429]
 
 
+def test_class_based_views_and_an_anonymous_user_key():
+    from django.utils.decorators import method_decorator
+    from django.views import View
+
+    @method_decorator(ratelimit("1/minute", key="user"), name="get")
+    class Items(View):
+        def get(self, request: HttpRequest) -> HttpResponse:
+            return ok(request)
+
+    view = Items.as_view()
+    # key="user" on an anonymous request: no identity, so MISSING_IDENTITY's default limits
+    # it by its address (as anonymous:ip:...), never lets it through unlimited.
+    assert statuses(view, [get(), get(), get(method="HEAD")]) == [200, 429, 429]
+    assert statuses(view, [get(REMOTE_ADDR="192.0.2.1")]) == [200]
+    assert statuses(view, [get(method="POST")]) == [405]  # not served: not charged either
+
+
 def dotted_key(request: HttpRequest) -> str | None:
     return request.headers.get("x-tenant")
 
