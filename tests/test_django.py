@@ -423,6 +423,22 @@ def test_middleware_rules_with_deduct_when_and_an_application_policy():
         assert not health.has_header("RateLimit")
 
 
+def test_memory_under_several_workers_logs_a_warning_once(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+):
+    import ratekeeper._http
+
+    monkeypatch.setattr(ratekeeper._http, "_warned", False)
+    monkeypatch.setenv("WEB_CONCURRENCY", "2")
+    with settings_with(POLICY=Policy("api", "10/minute")), caplog.at_level("WARNING"):
+        RateLimitMiddleware(ok)
+        RateLimitMiddleware(ok)
+    warned = [r.getMessage() for r in caplog.records if "several workers" in r.getMessage()]
+    assert len(warned) == 1
+    assert "ratekeeper.django.RateLimitMiddleware is on memory://" in warned[0]
+    assert "WEB_CONCURRENCY=2" in warned[0]
+
+
 # --- ENABLED = False: untouched, and not one store call --------------------------------------
 
 
@@ -492,5 +508,6 @@ def test_disabled_makes_no_store_call(redis_server: RedisServer):
         replies = traffic()
         enabled_calls = store_calls(redis_server) - after
         current().close()
-    assert enabled_calls >= len(replies)
     assert {r.status_code for r in replies} == {200, 429}
+    # Every admission was decided by the store (a denial may come from the local deny cache).
+    assert enabled_calls >= sum(r.status_code == 200 for r in replies) > 0
