@@ -204,3 +204,26 @@ def test_both_workers_serve_and_share_one_store(served: Served):
     pids = {r.headers["x-worker-pid"] for r in hammer(served.url, "/health", {}, 48)}
     assert pids == served.worker_pids
     assert len(pids) == 2
+
+
+def test_the_served_settings_pass_the_system_check_and_memory_would_not(store: RedisServer):
+    """``manage.py check`` on the settings the servers run (DEBUG off): clean on the shared
+    Redis; the same project on memory:// gets the W001 warning (several workers would each
+    admit the whole limit)."""
+    command = [sys.executable, "-m", "django", "check", "--settings=tests.django_project.settings"]
+    for url, warned in ((store.url, False), ("memory://", True)):
+        env = {**os.environ, "RATEKEEPER_DJANGO_STORAGE_URL": url}
+        env.pop("RATEKEEPER_DJANGO_DEBUG", None)
+        done = subprocess.run(
+            [*command, "--fail-level", "WARNING"],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
+        assert ("ratekeeper.W001" in done.stderr) is warned, done.stderr
+        assert done.returncode == (1 if warned else 0), done.stderr
+        if not warned:
+            assert "System check identified no issues" in done.stdout

@@ -1,6 +1,6 @@
 """The DRF worker for ``tests/test_drf.py``: a spawned process that configures the test project
-on the given store and calls one DRF view through DRF's request machinery
-(``APIRequestFactory``) from several threads released together."""
+on the given store and calls DRF views through DRF's request machinery (``APIRequestFactory``)
+from several threads released together."""
 
 from __future__ import annotations
 
@@ -15,14 +15,16 @@ BARRIER_TIMEOUT = 120.0
 def hammer(
     url: str,
     key_prefix: str,
-    view_name: str,
+    view_names: tuple[str, ...],
     threads: int,
     per_thread: int,
     barrier: Any,
     results: Any,
 ) -> None:
-    """Call view ``view_name`` (``ratekeeper`` or ``drf``) ``per_thread`` times from each of
-    ``threads`` threads; put ``{"pid", "statuses", "errors"}`` on ``results``."""
+    """For each of ``view_names`` (``ratekeeper``, ``drf``) in turn, call that view
+    ``per_thread`` times from each of ``threads`` threads, all processes' threads released
+    together by ``barrier``; put ``{"pid", "statuses": {view: [...]}, "errors"}`` on
+    ``results``."""
     os.environ["RATEKEEPER_DJANGO_STORAGE_URL"] = url
     os.environ["RATEKEEPER_DJANGO_KEY_PREFIX"] = key_prefix
     from . import configure
@@ -32,14 +34,15 @@ def hammer(
 
     from .views import Burst, DRFBurst
 
-    view = {"ratekeeper": Burst, "drf": DRFBurst}[view_name].as_view()
-    statuses: list[int] = []
+    classes = {"ratekeeper": Burst, "drf": DRFBurst}
+    statuses: dict[str, list[int]] = {name: [] for name in view_names}
     errors: list[str] = []
     lock = threading.Lock()
 
-    def run() -> None:
+    def run(name: str) -> None:
+        view = classes[name].as_view()
         factory = APIRequestFactory()
-        requests = [factory.get(f"/drf/{view_name}") for _ in range(per_thread)]
+        requests = [factory.get(f"/drf/{name}") for _ in range(per_thread)]
         mine: list[int] = []
         try:
             barrier.wait(BARRIER_TIMEOUT)
@@ -48,11 +51,12 @@ def hammer(
             with lock:
                 errors.append(repr(exc))
         with lock:
-            statuses.extend(mine)
+            statuses[name].extend(mine)
 
-    workers = [threading.Thread(target=run) for _ in range(threads)]
-    for worker in workers:
-        worker.start()
-    for worker in workers:
-        worker.join()
+    for name in view_names:
+        workers = [threading.Thread(target=run, args=(name,)) for _ in range(threads)]
+        for worker in workers:
+            worker.start()
+        for worker in workers:
+            worker.join()
     results.put({"pid": os.getpid(), "statuses": statuses, "errors": errors})

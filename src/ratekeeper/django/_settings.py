@@ -8,7 +8,6 @@ dropped when Django's ``setting_changed`` signal names ``RATEKEEPER`` (``overrid
 from __future__ import annotations
 
 import asyncio
-import inspect
 import threading
 import weakref
 from collections.abc import Callable, Iterable, Mapping
@@ -21,7 +20,7 @@ from django.http import HttpRequest
 from django.utils.module_loading import import_string
 
 from .._errors import ConfigError
-from .._http import KeyFunc, Limiting, Request, Rule
+from .._http import KeyFunc, Limiting, Request, Rule, _is_async
 from .._limiter import AsyncLimiter, Limiter, _storage_url
 from .._policy import Policy
 from ..identity import client_ip, header
@@ -104,7 +103,7 @@ def _param(source: str, name: str) -> KeyFunc:
 def on_django_request(func: Callable[..., Any]) -> Callable[..., Any]:
     """``func`` of the Django HttpRequest as a function of the request view (async stays
     async), so that a user's callable sees the request Django gives views."""
-    if inspect.iscoroutinefunction(func):
+    if _is_async(func):
 
         async def on_view_async(request: Request) -> Any:
             return await func(request.raw)
