@@ -28,13 +28,22 @@ from starlette.requests import Request as StarletteRequest
 from starlette.responses import JSONResponse, PlainTextResponse
 from starlette.routing import Route
 
-from ratekeeper import AsyncLimiter, ConfigError, Decision, Limiter, Policy
+from ratekeeper import AsyncLimiter, ConfigError, Decision, Limiter, ManualClock, Policy
 from ratekeeper._http import Limiting, Request, several_workers
 from ratekeeper.asgi import RateLimitMiddleware, Rule
 from ratekeeper.identity import header
 from ratekeeper.wsgi import RateLimitMiddleware as WSGIMiddleware
 
 from .web_apps import asgi_client, exact_options, plain_app
+
+#: Client time that stands still, so header values (``t=``) are exact however slow the
+#: machine; the store still decides (the default server clock is tested everywhere else).
+T0 = 1_700_000_000.0
+
+
+def still(backend: str, key_prefix: str, **extra: Any) -> dict[str, Any]:
+    return {**exact_options(backend, key_prefix), "clock": ManualClock(T0), **extra}
+
 
 FREE = Policy("plan-free", "3/minute")
 PRO = Policy("plan-pro", "7/minute")
@@ -115,7 +124,7 @@ def test_plans_admit_exactly_each_plans_limit_per_identity(
         return {"Authorization": f"Bearer {token(user, plan)}"}
 
     async def main() -> dict[str, list[Any]]:
-        options = exact_options(backend, key_prefix)
+        options = still(backend, key_prefix)
         async with AsyncLimiter.from_url(backend, **options) as limiter:
             app = state_app()
             app.add_middleware(
@@ -176,7 +185,7 @@ def test_cost_callables_sync_and_async():
         return int(request.headers.get("x-items", "1"))
 
     async def main() -> list[Any]:
-        async with AsyncLimiter.from_url("memory://") as limiter:
+        async with AsyncLimiter.from_url("memory://", clock=ManualClock(T0)) as limiter:
             app = RateLimitMiddleware(
                 plain_app,
                 limiter=limiter,
@@ -276,7 +285,7 @@ def test_a_denial_by_the_route_policy_consumes_nothing_from_the_application_poli
     backend: str, key_prefix: str, deny_cache: int
 ):
     async def main() -> tuple[list[Any], list[Decision]]:
-        options = {**exact_options(backend, key_prefix), "deny_cache": deny_cache}
+        options = still(backend, key_prefix, deny_cache=deny_cache)
         async with AsyncLimiter.from_url(backend, **options) as limiter:
             key = {"X-API-Key": "alice"}
             identity = header("x-api-key")(Request("GET", "/", {"x-api-key": "alice"}, None))
@@ -321,7 +330,7 @@ def test_what_a_denial_by_the_application_policy_consumes_from_the_route_policy(
     route = Policy("wide", "4/minute")
 
     async def main() -> tuple[list[int], list[int]]:
-        options = {**exact_options(backend, key_prefix), "deny_cache": deny_cache}
+        options = still(backend, key_prefix, deny_cache=deny_cache)
         async with AsyncLimiter.from_url(backend, **options) as limiter:
             app = RateLimitMiddleware(
                 plain_app,
@@ -360,7 +369,7 @@ def test_stacked_under_wsgi_and_the_environ_carries_the_decisions(backend: str, 
         start_response("200 OK", [("Content-Type", "text/plain")])
         return [b"ok"]
 
-    with Limiter.from_url(backend, **exact_options(backend, key_prefix)) as limiter:
+    with Limiter.from_url(backend, **still(backend, key_prefix)) as limiter:
         wrapped = WSGIMiddleware(
             app,
             limiter=limiter,
@@ -410,7 +419,7 @@ def test_deduct_when_charges_only_failed_logins_and_refuses_before_the_handler(
     runs: list[int] = []
 
     async def main() -> tuple[list[Any], list[int]]:
-        async with AsyncLimiter.from_url(backend, **exact_options(backend, key_prefix)) as limiter:
+        async with AsyncLimiter.from_url(backend, **still(backend, key_prefix)) as limiter:
             app = login_app(runs)
             app.add_middleware(
                 RateLimitMiddleware,
@@ -477,7 +486,7 @@ def test_deduct_when_under_wsgi(backend: str, key_prefix: str):
         start_response("200 OK" if ok else "401 Unauthorized", [("Content-Type", "text/plain")])
         return [b"ok" if ok else b"no"]
 
-    with Limiter.from_url(backend, **exact_options(backend, key_prefix)) as limiter:
+    with Limiter.from_url(backend, **still(backend, key_prefix)) as limiter:
         wrapped = WSGIMiddleware(
             app,
             limiter=limiter,

@@ -279,9 +279,9 @@ def test_failed_logins_count_across_two_workers_then_the_handler_never_runs(serv
             after = int(store.get(runs_key) or 0)
             assert [r.status_code for r in replies] == [200, *[401] * 5, 429, 429]
             assert after - before == 6  # 1 success + 5 failures; the 429s never ran it
-            assert [r.headers["ratelimit"] for r in replies[1:6]] == [
-                f'"served-login";r={n};t=60' for n in (4, 3, 2, 1, 0)
-            ]
+            for n, r in zip((4, 3, 2, 1, 0), replies[1:6], strict=True):
+                # t: the window empties 60 s after the first failure (59 on a slow machine)
+                assert re.fullmatch(rf'"served-login";r={n};t=(59|60)', r.headers["ratelimit"])
             for r in replies[6:]:
                 assert r.json()["policy"] == "served-login"
                 assert "x-worker-pid" not in r.headers

@@ -681,16 +681,21 @@ class Limiting:
         value = choice.func(request)
         if choice.awaited:
             value = yield value
-        elif inspect.isawaitable(value):
+        return value
+
+    @staticmethod
+    def _wrong(choice: _Choice, value: Any, expected: str) -> TypeError:
+        """The bug a callable's wrong result is: reported, never taken for a pass."""
+        if inspect.isawaitable(value):
             # A sync-looking callable that returns an awaitable (a lambda around a coroutine
-            # function): decided at configuration time, so it is a bug to report, not await.
+            # function): how to call it was decided at configuration time.
             if inspect.iscoroutine(value):
                 value.close()
-            raise TypeError(
+            return TypeError(
                 f"the {choice.where} returned an awaitable but is not a coroutine function: "
                 "declare it with async def"
             )
-        return value
+        return TypeError(f"the {choice.where} returned {value!r}, not {expected}")
 
     def _charge(
         self,
@@ -711,13 +716,13 @@ class Limiting:
         if policy is None:
             return None
         if not isinstance(policy, Policy):
-            raise TypeError(f"the {pchoice.where} returned {policy!r}, not a Policy or None")
+            raise self._wrong(pchoice, policy, "a Policy or None")
         if id(kchoice) in identities:
             identity = identities[id(kchoice)]
         else:
             identity = yield from self._choose(kchoice, request)
             if identity is not None and not isinstance(identity, str):
-                raise TypeError(f"the {kchoice.where} returned {identity!r}, not a str or None")
+                raise self._wrong(kchoice, identity, "a str or None")
             identities[id(kchoice)] = identity
         if identity is None:
             if self.missing_identity == "client_ip":
@@ -733,7 +738,7 @@ class Limiting:
             else:
                 cost = yield from self._choose(cchoice, request)
                 if isinstance(cost, bool) or not isinstance(cost, int) or cost < 1:
-                    raise TypeError(f"the {cchoice.where} returned {cost!r}, not an int >= 1")
+                    raise self._wrong(cchoice, cost, "an int >= 1")
         return Charge(policy, identity, cost, shadow, deduct_when)
 
     def admit(self, request: Request) -> Steps:
