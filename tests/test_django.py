@@ -27,7 +27,13 @@ configure()
 from django.core.checks import run_checks  # noqa: E402
 from django.core.exceptions import ImproperlyConfigured  # noqa: E402
 from django.http import HttpRequest, HttpResponse, JsonResponse  # noqa: E402
-from django.test import AsyncClient, Client, RequestFactory, override_settings  # noqa: E402
+from django.test import (  # noqa: E402
+    AsyncClient,
+    AsyncRequestFactory,
+    Client,
+    RequestFactory,
+    override_settings,
+)
 
 from ratekeeper import ConfigError, ManualClock, Policy  # noqa: E402
 from ratekeeper._http import problem_body, rate_limit_headers  # noqa: E402
@@ -339,8 +345,12 @@ def test_the_client_address_goes_through_the_trusted_proxies():
         assert statuses(view, [get(**spoof), get(**spoof)]) == [200, 429]
 
 
-def test_plans_chosen_per_request_with_async_callables_on_an_async_view():
+@pytest.mark.parametrize("server", ["asgi", "wsgi"])
+def test_plans_chosen_per_request_with_async_callables_on_an_async_view(server: str):
+    """Under ASGI (an ASGIRequest) the AsyncLimiter decides; under WSGI (Django runs the async
+    view on a loop of its own) the blocking limiter does, the callables still awaited."""
     free, pro = Policy("plan-free", "2/minute"), Policy("plan-pro", "5/minute")
+    factory = AsyncRequestFactory() if server == "asgi" else RequestFactory()
 
     async def plan(request: HttpRequest) -> Policy | None:
         await asyncio.sleep(0)
@@ -358,8 +368,11 @@ def test_plans_chosen_per_request_with_async_callables_on_an_async_view():
     async def run() -> dict[str, list[int]]:
         out: dict[str, list[int]] = {}
         for tier in ("free", "pro", "none"):
-            meta = {"HTTP_X_PLAN": tier, "HTTP_X_USER": f"u-{tier}"}
-            out[tier] = [(await view(get(**meta))).status_code for _ in range(7)]
+            headers = {"x-plan": tier, "x-user": f"u-{tier}"}
+            requests = [factory.get("/x", headers=headers) for _ in range(7)]
+            out[tier] = [(await view(request)).status_code for request in requests]
+        assert type(requests[0]).__name__ == f"{server.upper()}Request"
+        assert current().enabled
         return out
 
     got = asyncio.run(run())
@@ -437,6 +450,56 @@ def test_memory_under_several_workers_logs_a_warning_once(
     assert len(warned) == 1
     assert "ratekeeper.django.RateLimitMiddleware is on memory://" in warned[0]
     assert "WEB_CONCURRENCY=2" in warned[0]
+
+
+def test_the_async_chain_with_an_async_key_and_deduct_when():
+    """The middleware on Django's async chain (as under uvicorn): async key functions are
+    awaited, deduct_when settles after the view, and the view sees the decisions."""
+
+    async def account(request: HttpRequest) -> str | None:
+        await asyncio.sleep(0)
+        return request.headers.get("x-account")
+
+    seen: list[int] = []
+
+    async def app(request: HttpRequest) -> HttpResponse:
+        seen.append(len(getattr(request, "ratekeeper", ())))
+        failed = request.path == "/login" and request.headers.get("x-password") != "ok"
+        return HttpResponse(status=401 if failed else 200)
+
+    values = {
+        "KEY": account,
+        "RULES": [
+            {
+                "path": "/login",
+                "policy": Policy("async-logins", "2/minute"),
+                "deduct_when": lambda status: status == 401,
+            },
+            {"path": "/*", "policy": Policy("async-api", "3/minute")},
+        ],
+    }
+
+    async def run() -> list[HttpResponse]:
+        middleware = RateLimitMiddleware(app)
+        assert asyncio.iscoroutinefunction(middleware)
+        factory = AsyncRequestFactory()
+        replies = []
+        for path, password in [("/login", "ok")] * 2 + [("/login", "no")] * 3:
+            request = factory.get(path, headers={"x-account": "acct", "x-password": password})
+            replies.append(await middleware(request))
+        for _ in range(4):
+            replies.append(await middleware(factory.get("/items", headers={"x-account": "acct"})))
+        return replies
+
+    with settings_with(**values):
+        replies = asyncio.run(run())
+    # Two good logins cost nothing; two failures spend the budget; the third is refused.
+    assert [r.status_code for r in replies[:5]] == [200, 200, 401, 401, 429]
+    assert len(seen) == 4 + 3  # the refused login never reached the view
+    assert seen[:4] == [0, 0, 0, 0]  # deduct_when: charged after the view, nothing before
+    assert [r.status_code for r in replies[5:]] == [200, 200, 200, 429]
+    assert seen[4:] == [1, 1, 1]  # the view saw the decision of async-api
+    assert replies[8]["RateLimit-Policy"] == '"async-api";q=3;w=60'
 
 
 # --- ENABLED = False: untouched, and not one store call --------------------------------------

@@ -255,7 +255,7 @@ class Config:
         self._middleware: dict[bool, Limiting | SettingsError | None] = {False: None, True: None}
         try:
             # MISSING_IDENTITY and PREFLIGHT are checked here even when only decorators use them.
-            Limiting(rules=[Rule("*", _PROBE)], **self._common)
+            Limiting(rules=[Rule("*", _PROBE)], asynchronous=True, **self._common)
             if policy is not None or built or application is not None:
                 for asynchronous in (True, False):
                     try:
