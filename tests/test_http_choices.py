@@ -517,19 +517,35 @@ def test_several_workers_is_read_from_the_environment_and_the_parent():
     assert several_workers({"WEB_CONCURRENCY": "4"}, []) == "WEB_CONCURRENCY=4"
     assert several_workers({"WEB_CONCURRENCY": "1"}, []) is None
     python = "/usr/bin/python3"
+    uvicorn_main = "/venv/lib/python3.11/site-packages/uvicorn/__main__.py"
     for argv, expected in [
         ([python, "-m", "uvicorn", "app:app", "--workers", "2"], "uvicorn with 2 workers"),
         ([python, "-m", "uvicorn", "app:app", "--workers=3"], "uvicorn with 3 workers"),
+        ([uvicorn_main, "app:app", "--workers", "2"], "uvicorn with 2 workers"),
         (["/venv/bin/gunicorn", "-w", "4", "app:app"], "gunicorn with 4 workers"),
+        ([python, "/venv/bin/gunicorn", "-w", "4", "app:app"], "gunicorn with 4 workers"),
         (["gunicorn", "-w8", "app:app"], "gunicorn with 8 workers"),
         ([python, "/venv/bin/hypercorn", "-w", "2", "app:app"], "hypercorn with 2 workers"),
+        (["granian", "--interface", "asgi", "--workers", "2", "app:app"], "granian with 2 workers"),
         ([python, "-m", "uvicorn", "app:app", "--workers", "1"], None),
         ([python, "-m", "uvicorn", "app:app"], None),
-        (["bash", "-c", "gunicorn -w 4"], None),  # a shell that runs it: not the supervisor
         ([python, "manage.py", "--workers", "2"], None),
         ([], None),
     ]:
         assert several_workers({}, argv) == expected, argv
+        # The same command line as this process's own: a supervisor preloading the app.
+        assert several_workers({}, [], own_argv=argv) == expected, argv
+    # Workers counted from a config file, or a retitled master: its children tell.
+    assert several_workers({}, ["gunicorn: master [app]"], parent_children=3) == (
+        "gunicorn with 3 worker processes"
+    )
+    assert several_workers({}, ["gunicorn: master [app]"], parent_children=1) is None
+    assert several_workers({}, [python, "-m", "gunicorn", "app"], parent_children=2) == (
+        "gunicorn with 2 worker processes"
+    )
+    # An explicit count of 1 wins over children (a reloader, a helper process).
+    assert several_workers({}, ["gunicorn", "-w", "1"], parent_children=2) is None
+    assert several_workers({}, ["bash"], parent_children=5) is None  # not a server
 
 
 def test_deduct_when_on_a_websocket_counts_refused_handshakes():
