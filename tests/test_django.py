@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from asgiref.sync import iscoroutinefunction
 
 from tests.django_project import configure
 
@@ -143,7 +144,7 @@ def test_async_callables_are_refused_on_a_sync_chain_and_taken_on_an_async_one()
         async def chain(request: HttpRequest) -> HttpResponse:
             return ok(request)
 
-        assert asyncio.iscoroutinefunction(RateLimitMiddleware(chain))
+        assert iscoroutinefunction(RateLimitMiddleware(chain))
 
 
 def test_bad_decorator_arguments_fail_at_import():
@@ -481,7 +482,7 @@ def test_the_async_chain_with_an_async_key_and_deduct_when():
 
     async def run() -> list[HttpResponse]:
         middleware = RateLimitMiddleware(app)
-        assert asyncio.iscoroutinefunction(middleware)
+        assert iscoroutinefunction(middleware)
         factory = AsyncRequestFactory()
         replies = []
         for path, password in [("/login", "ok")] * 2 + [("/login", "no")] * 3:
