@@ -19,9 +19,8 @@ from __future__ import annotations
 
 import functools
 import re
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from rest_framework.request import Request as DRFRequest
 from rest_framework.settings import api_settings
 from rest_framework.throttling import BaseThrottle
 
@@ -30,6 +29,9 @@ from ._errors import ConfigError
 from ._http import anonymous_identity
 from ._policy import Policy
 from .django._settings import SettingsError, current, request_view
+
+if TYPE_CHECKING:
+    from rest_framework.request import Request as DRFRequest
 
 __all__ = ["RatekeeperThrottle", "policy_for_rate"]
 
