@@ -575,3 +575,40 @@ def test_deduct_when_on_a_websocket_counts_refused_handshakes():
 
     # Accepted handshakes cost nothing; after 2 refused ones every handshake is refused.
     assert asyncio.run(main()) == ["accepted", "closed", "accepted", "closed", "closed", "closed"]
+
+
+def test_an_application_policy_chosen_per_request_with_its_own_key():
+    """The application policy per tenant plan (async), keyed by tenant; the route's per user.
+    Two users of one tenant share the tenant's budget; an internal tenant has none."""
+    tenant_small = Policy("tenant-small", "3/minute")
+
+    async def tenant_plan(request: Request) -> Policy | None:
+        await asyncio.sleep(0)
+        return None if request.headers.get("x-tenant") == "internal" else tenant_small
+
+    async def main() -> list[tuple[int, str | None]]:
+        async with AsyncLimiter.from_url("memory://", clock=ManualClock(T0)) as limiter:
+            app = RateLimitMiddleware(
+                plain_app,
+                limiter=limiter,
+                key=header("x-user"),
+                policy=Policy("per-user", "2/minute"),
+                application_policy=tenant_plan,
+                application_key=header("x-tenant"),
+            )
+            out = []
+            async with asgi_client(app) as http:
+                for user, tenant in [("u1", "acme"), ("u2", "acme"), ("u1", "acme"),
+                                     ("u2", "acme"), ("u3", "internal"), ("u3", "internal"),
+                                     ("u3", "internal")]:  # fmt: skip
+                    r = await http.get("/", headers={"X-User": user, "X-Tenant": tenant})
+                    out.append((r.status_code, r.headers.get("ratelimit-policy")))
+            return out
+
+    replies = asyncio.run(main())
+    both = '"per-user";q=2;w=60, "tenant-small";q=3;w=60'
+    assert replies[:3] == [(200, both)] * 3
+    # u2's second request: per-user admits (1 left), the tenant's 3 are spent.
+    assert replies[3] == (429, both)
+    # The internal tenant: only the per-user policy applies.
+    assert replies[4:] == [(200, '"per-user";q=2;w=60')] * 2 + [(429, '"per-user";q=2;w=60')]
