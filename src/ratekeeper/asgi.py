@@ -41,7 +41,6 @@ from ._http import (
     Rule,
     drive_async,
     warn_memory_under_workers,
-    with_length,
 )
 from ._limiter import AsyncLimiter
 from ._policy import Policy
@@ -236,8 +235,21 @@ class RateLimitMiddleware:
             raise
 
 
+#: Header names as ASGI sends them (lower-case bytes): the same few on every response.
+_names: dict[str, bytes] = {}
+
+
+def _name(name: str) -> bytes:
+    encoded = _names.get(name)
+    if encoded is None:
+        encoded = name.lower().encode("latin-1")
+        if len(_names) < 256:  # names come from our rendering and the denied= callable
+            _names[name] = encoded
+    return encoded
+
+
 def _encode(headers: list[tuple[str, str]]) -> list[tuple[bytes, bytes]]:
-    return [(n.lower().encode("latin-1"), v.encode("latin-1")) for n, v in headers]
+    return [(_name(n), v.encode("latin-1")) for n, v in headers]
 
 
 def _merge(
@@ -259,7 +271,8 @@ def _with_headers(send: Send, headers: list[tuple[str, str]]) -> Send:
 
 
 async def _respond(send: Send, status: int, headers: list[tuple[str, str]], body: bytes) -> None:
-    raw = _encode(with_length(headers, body))
+    """Send a response of ours (a denial, a rejection): its headers carry Content-Length."""
+    raw = _encode(headers)
     await send({"type": "http.response.start", "status": status, "headers": raw})
     await send({"type": "http.response.body", "body": body})
 
