@@ -24,6 +24,7 @@ from starlette.routing import Route, WebSocketRoute
 from starlette.websockets import WebSocket
 
 from ratekeeper import AsyncLimiter, CircuitBreaker, ConfigError, Decision, Limiter, Policy
+from ratekeeper._http import missing_identity_response
 from ratekeeper.asgi import RateLimitMiddleware, Rule, fastapi_dependency, request_from_scope
 from ratekeeper.identity import client_ip, header
 
@@ -793,9 +794,9 @@ def test_fastapi_dependency_missing_identity(choice: str, expected: list[int]):
     assert [r.status_code for r in responses] == expected
     if choice == "reject":
         assert decisions == []
-        assert responses[0].json() == {
-            "detail": "The request carries no client identity, which this endpoint requires."
-        }
+        # The middleware's answer, from the same rendering.
+        assert responses[0].headers["content-type"] == "application/problem+json"
+        assert responses[0].content == missing_identity_response()[2]
     elif choice == "allow":
         assert decisions == [None, None, None]
         assert all("ratelimit" not in r.headers for r in responses)

@@ -28,11 +28,12 @@ from ratekeeper import (
     wsgi,
 )
 from ratekeeper._http import (
+    Admission,
     Limiting,
-    Outcome,
     Request,
-    Route,
     Rule,
+    StoreCall,
+    drive_async,
     make_rules,
     match_rule,
     merge_headers,
@@ -41,6 +42,7 @@ from ratekeeper._http import (
     rate_limit_headers,
     response_headers,
 )
+from ratekeeper.identity import header
 
 from .web_apps import asgi_client, plain_app
 
@@ -136,6 +138,55 @@ def test_problem_body():
     assert "100/minute" in body["detail"]
 
 
+@pytest.mark.parametrize(
+    "retry_after", [0.0004, 0.2, 1.0, 59.9991, 12345.6789, 1e16, math.inf, None]
+)
+def test_the_problem_body_is_compact_json_of_the_problem(retry_after: float | None):
+    """The body is built from a kept prefix per policy and rate: byte for byte what
+    ``json.dumps`` of the whole problem gives."""
+    denial = decision(allowed=False, remaining=0, retry_after=retry_after)
+    problem: dict[str, Any] = {
+        "type": "about:blank",
+        "title": "Too Many Requests",
+        "status": 429,
+        "detail": f"Rate limit exceeded for policy 'name' ({denial.rate}).",
+        "policy": "name",
+    }
+    if retry_after is not None and math.isfinite(retry_after):
+        problem["retry_after"] = math.ceil(retry_after * 1000) / 1000
+    expected = json.dumps(problem, separators=(",", ":")).encode()
+    assert problem_body(denial) == problem_body(denial) == expected
+
+
+def test_headers_are_decoded_only_when_read():
+    def scope() -> dict[str, Any]:
+        return {
+            "type": "http",
+            "method": "GET",
+            "path": "/",
+            "headers": [(b"x-api-key", b"k"), (b"X-Two", b"a"), (b"x-two", b"b")],
+            "client": (PEER, 1),
+        }
+
+    async def decide(limiting: Limiting, view: Request) -> Any:
+        async with AsyncLimiter.from_url("memory://") as limiter:
+            return await drive_async(limiting.admit(view), limiter)
+
+    # client_ip() with no trusted proxy never reads a header: they are never decoded.
+    view = asgi.request_from_scope(scope())
+    admission = asyncio.run(decide(Limiting(policy=Policy("p", "5/minute")), view))
+    assert admission.decisions[0].remaining == 4
+    assert view.headers._decoded is None  # type: ignore[attr-defined]
+    # A key function that reads one decodes them all, once; repeated names are joined.
+    view = asgi.request_from_scope(scope())
+    keyed = Limiting(policy=Policy("p", "5/minute"), key=header("x-api-key"))
+    asyncio.run(decide(keyed, view))
+    assert view.headers._decoded == {"x-api-key": "k", "x-two": "a, b"}  # type: ignore[attr-defined]
+    assert view.headers == {"x-api-key": "k", "x-two": "a, b"}
+    assert "x-two" in view.headers
+    assert len(view.headers) == 2
+
+
 def test_merge_headers_drops_the_apps_copies_whatever_their_case():
     ours = [("RateLimit", "ours"), ("Retry-After", "3")]
     app = [("ratelimit", "app"), ("RETRY-AFTER", "9"), ("Content-Type", "text/plain")]
@@ -194,14 +245,29 @@ def test_a_get_rule_matches_head_as_frameworks_route_it():
     assert names([Rule("/x", API, methods={"OPTIONS"})], "OPTIONS", "/x") == "api"
 
 
+def first_call(limiting: Limiting, request: Request) -> StoreCall | Admission | None:
+    """The first store call ``admit`` asks for (the policy and identity charged), or what it
+    returns without one."""
+    steps = limiting.admit(request)
+    try:
+        step = steps.send(None)
+        while isinstance(step, StoreCall) and step.cached:
+            step = steps.send(None)
+    except StopIteration as done:
+        return done.value  # type: ignore[no-any-return]
+    assert isinstance(step, StoreCall)
+    return step
+
+
 def route_of(limiting: Limiting, method: str, **headers: str) -> str | None:
     """The policy a request is charged to, ``"reject"``, or None when it is not charged."""
-    found = limiting.route(
-        Request(method, "/api/x", {k.replace("_", "-"): v for k, v in headers.items()}, PEER)
+    found = first_call(
+        limiting,
+        Request(method, "/api/x", {k.replace("_", "-"): v for k, v in headers.items()}, PEER),
     )
     if found is None:
         return None
-    if isinstance(found, Outcome):
+    if isinstance(found, Admission):
         assert found.response is not None
         return "reject" if found.response[0] == 400 else "?"
     return found.policy.name
@@ -230,8 +296,8 @@ def test_a_missing_identity_is_routed_by_the_option():
         return None
 
     assert route_of(Limiting(policy=DEFAULT, key=nobody), "GET") == "default"
-    fallback = Limiting(policy=DEFAULT, key=nobody).route(Request("GET", "/", {}, PEER))
-    assert isinstance(fallback, Route)
+    fallback = first_call(Limiting(policy=DEFAULT, key=nobody), Request("GET", "/", {}, PEER))
+    assert isinstance(fallback, StoreCall)
     assert fallback.identity == f"anonymous:ip:{PEER}"
     assert route_of(Limiting(policy=DEFAULT, key=nobody, missing_identity="reject"), "GET") == (
         "reject"
@@ -242,8 +308,8 @@ def test_a_missing_identity_is_routed_by_the_option():
     # With an identity, the option changes nothing.
     for choice in ("client_ip", "reject", "allow"):
         keyed = Limiting(policy=DEFAULT, missing_identity=choice)  # type: ignore[arg-type]
-        found = keyed.route(Request("GET", "/", {}, PEER))
-        assert isinstance(found, Route)
+        found = first_call(keyed, Request("GET", "/", {}, PEER))
+        assert isinstance(found, StoreCall)
         assert found.identity == f"ip:{PEER}"
 
 
@@ -283,8 +349,8 @@ def test_without_a_default_unmatched_paths_are_not_limited():
 @pytest.mark.parametrize(
     "build",
     [
-        lambda: make_rules(None, [], []),
-        lambda: make_rules(None, [Rule("/x", None)], ["/health"]),
+        Limiting,
+        lambda: Limiting(rules=[Rule("/x", None)], exempt=["/health"]),
         lambda: make_rules(None, ["/api/*"], []),
         lambda: make_rules("api", [], []),
         lambda: Rule(42, API),  # type: ignore[arg-type]

@@ -19,8 +19,7 @@ from starlette.routing import Route
 
 from ratekeeper import AsyncLimiter, ConfigError, Policy
 from ratekeeper import identity as identity_module
-from ratekeeper._http import Limiting, anonymous_identity
-from ratekeeper._http import Route as Charged
+from ratekeeper._http import Limiting, StoreCall, anonymous_identity
 from ratekeeper.asgi import RateLimitMiddleware
 from ratekeeper.identity import Request, client_ip, first, header
 
@@ -250,9 +249,25 @@ def test_a_10000_hop_header_costs_no_more_than_a_20_hop_one(
     short_parses = len(seen)
     seen.clear()
     long = key(request("10.255.255.254", **{field: ", ".join(hops)}))
-    assert len(seen) == short_parses == 21  # the peer and 20 hops
+    assert short_parses == 21  # the peer and 20 hops
+    assert len(seen) == 20  # the same peer again: parsed once, kept by client_ip()
     assert long == short == f"ip:{addresses[-20]}"  # the 20th hop from the right
     assert all(len(text) < 64 for text in seen)
+
+
+def test_the_peer_cache_is_bounded_and_per_key_function(monkeypatch: pytest.MonkeyPatch):
+    seen = _count_parses(monkeypatch)
+    key = client_ip()
+    assert [key(request("203.0.113.7")) for _ in range(3)] == ["ip:203.0.113.7"] * 3
+    assert seen == ["203.0.113.7"]
+    monkeypatch.setattr(identity_module, "PEER_CACHE_SIZE", 4)
+    for i in range(10):
+        assert key(request(f"198.51.100.{i}")) == f"ip:198.51.100.{i}"
+    assert len(key._peers) <= 4  # type: ignore[attr-defined]
+    # Another client_ip() with its own trusted proxies keeps its own answers.
+    behind = client_ip(["203.0.113.0/24"])
+    assert behind(request("203.0.113.7", x_forwarded_for="192.0.2.9")) == "ip:192.0.2.9"
+    assert key(request("203.0.113.7", x_forwarded_for="192.0.2.9")) == "ip:203.0.113.7"
 
 
 def test_the_header_text_looked_at_is_bounded(monkeypatch: pytest.MonkeyPatch):
@@ -361,14 +376,14 @@ def test_first_takes_the_first_identity_found():
 
 def test_the_fallback_identity_is_the_address_under_its_own_prefix():
     limiting = Limiting(policy=Policy("p", "1/minute"), key=header("x-api-key"))
-    route = limiting.route(request("203.0.113.7"))
-    assert isinstance(route, Charged)
+    route = limiting.admit(request("203.0.113.7")).send(None)
+    assert isinstance(route, StoreCall)
     assert route.identity == "anonymous:ip:203.0.113.7"
     assert anonymous_identity(client_ip()(request("2001:db8::1"))) == "anonymous:ip:2001:db8::/64"
     assert anonymous_identity(None) == "anonymous:no-address"
     # The peer, not a forwarding header a client could pick.
-    lying = limiting.route(request("203.0.113.7", x_forwarded_for="198.51.100.1"))
-    assert isinstance(lying, Charged)
+    lying = limiting.admit(request("203.0.113.7", x_forwarded_for="198.51.100.1")).send(None)
+    assert isinstance(lying, StoreCall)
     assert lying.identity == route.identity
 
 

@@ -9,6 +9,7 @@ take part, which the ``X-Worker-Pid`` response header shows.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -27,6 +28,7 @@ from typing import IO, Any
 
 import httpx
 import pytest
+import redis
 import websockets.exceptions
 import websockets.sync.client
 
@@ -52,6 +54,8 @@ class Reply:
 class Served:
     url: str
     worker_pids: frozenset[str]
+    key_prefix: str
+    store_url: str
 
 
 def _log_text(log: IO[bytes]) -> str:
@@ -91,15 +95,26 @@ def _get(http: httpx.Client, path: str) -> httpx.Response | None:
         return None
 
 
-@pytest.fixture(scope="module", params=FLAVORS)
-def served(request: pytest.FixtureRequest, servers: dict[str, RedisServer]) -> Iterator[Served]:
-    """``uvicorn --workers 2 --factory tests.web_apps:create_app`` on this flavor's server."""
-    store = servers[request.param]
+@dataclass(frozen=True)
+class Running:
+    served: Served
+    log: IO[bytes]
+
+    def output(self) -> str:
+        return _log_text(self.log)
+
+
+@contextlib.contextmanager
+def uvicorn(factory: str, store_url: str, workers: int = 2) -> Iterator[Running]:
+    """``uvicorn --workers N --factory <factory>`` on ``store_url``, under a key prefix no
+    other run uses; stopped (and its exit checked) on exit."""
     port = free_port()
-    env = {**os.environ, ENV_URL: store.url, ENV_PREFIX: f"web-{uuid.uuid4().hex[:12]}"}
+    env = {**os.environ, ENV_URL: store_url, ENV_PREFIX: f"web-{uuid.uuid4().hex[:12]}"}
+    env.pop("WEB_CONCURRENCY", None)
     command = [
-        sys.executable, "-m", "uvicorn", "tests.web_apps:create_app", "--factory",
-        "--workers", "2", "--host", "127.0.0.1", "--port", str(port), "--log-level", "info",
+        sys.executable, "-m", "uvicorn", factory, "--factory",
+        "--workers", str(workers), "--host", "127.0.0.1", "--port", str(port),
+        "--log-level", "info",
     ]  # fmt: skip
     with tempfile.TemporaryFile() as log:
         proc = subprocess.Popen(
@@ -111,11 +126,11 @@ def served(request: pytest.FixtureRequest, servers: dict[str, RedisServer]) -> I
 
             def workers_started() -> frozenset[str] | None:
                 text = _log_text(log)
-                if text.count("Application startup complete.") < 2:
+                if text.count("Application startup complete.") < workers:
                     return None
                 return frozenset(pattern.findall(text))
 
-            pids = _wait_until(workers_started, proc, log, "uvicorn's two workers")
+            pids = _wait_until(workers_started, proc, log, f"uvicorn's {workers} workers")
             url = f"http://127.0.0.1:{port}"
             with httpx.Client(base_url=url, timeout=5) as http:
                 _wait_until(
@@ -124,11 +139,18 @@ def served(request: pytest.FixtureRequest, servers: dict[str, RedisServer]) -> I
                     log,
                     "uvicorn's /health",
                 )
-            assert len(pids) == 2
-            yield Served(url, pids)
+            assert len(pids) == workers
+            yield Running(Served(url, pids, env[ENV_PREFIX], store_url), log)
         finally:
             code = _stop(proc)
             assert code in (0, -signal.SIGTERM), _log_text(log)[-3000:]
+
+
+@pytest.fixture(scope="module", params=FLAVORS)
+def served(request: pytest.FixtureRequest, servers: dict[str, RedisServer]) -> Iterator[Served]:
+    """``uvicorn --workers 2 --factory tests.web_apps:create_app`` on this flavor's server."""
+    with uvicorn("tests.web_apps:create_app", servers[request.param].url) as running:
+        yield running.served
 
 
 def hammer(url: str, header_sets: list[dict[str, str]], path: str = "/api/items") -> list[Reply]:
@@ -151,7 +173,7 @@ def hammer(url: str, header_sets: list[dict[str, str]], path: str = "/api/items"
         return [reply for replies in pool.map(run, chunks) for reply in replies]
 
 
-def check_replies(replies: list[Reply], limit: int = 12) -> None:
+def check_replies(replies: list[Reply], limit: int = 12, body: Any = None) -> None:
     """Exactly ``limit`` admissions, each with its own remaining count; the rest proper 429s."""
     ok = [r for r in replies if r.status == 200]
     denied = [r for r in replies if r.status == 429]
@@ -165,7 +187,7 @@ def check_replies(replies: list[Reply], limit: int = 12) -> None:
         remaining.append(int(match[1]))
         assert int(match[2]) == 60
         assert "retry-after" not in r.headers
-        assert json.loads(r.body) == {"items": [1, 2, 3]}
+        assert json.loads(r.body) == (body or {"items": [1, 2, 3]})
     # Atomic and exact across both workers: every admission saw a different count.
     assert sorted(remaining) == list(range(limit))
     for r in denied:
@@ -230,6 +252,116 @@ def test_a_denied_websocket_handshake_is_refused(served: Served):
     other = {"X-API-Key": f"hank-{uuid.uuid4()}"}
     with websockets.sync.client.connect(ws_url, additional_headers=other, open_timeout=30) as ws:
         assert ws.recv(timeout=30) == "hello"
+
+
+# --- counting on the outcome, across both workers ----------------------------------------------
+
+
+def test_failed_logins_count_across_two_workers_then_the_handler_never_runs(served: Served):
+    """``deduct_when`` on 401: 5 failed logins a minute per user, whichever worker serves
+    them; then the next attempts (a right password too) are refused before the handler runs,
+    which the handler's own run counter in the shared store shows."""
+    store = redis.Redis.from_url(served.store_url)
+    runs_key = f"{served.key_prefix}:login-runs"
+    counted_by: set[str] = set()
+    limits = httpx.Limits(max_keepalive_connections=0)  # a new connection per request
+    with httpx.Client(base_url=served.url, timeout=30, limits=limits) as http:
+        # Users one after another until both workers have served counted failures.
+        for _ in range(10):
+            user = {"X-User": f"mallory-{uuid.uuid4()}"}
+            before = int(store.get(runs_key) or 0)
+            replies = []
+            for password in ["right", *["wrong"] * 5, "wrong", "right"]:
+                replies.append(
+                    http.post("/login", headers={**user, "X-API-Key": user["X-User"],
+                                                 "X-Password": password})
+                )  # fmt: skip
+            after = int(store.get(runs_key) or 0)
+            assert [r.status_code for r in replies] == [200, *[401] * 5, 429, 429]
+            assert after - before == 6  # 1 success + 5 failures; the 429s never ran it
+            for n, r in zip((4, 3, 2, 1, 0), replies[1:6], strict=True):
+                # t: the window empties 60 s after the first failure (59 on a slow machine)
+                assert re.fullmatch(rf'"served-login";r={n};t=(59|60)', r.headers["ratelimit"])
+            for r in replies[6:]:
+                assert r.json()["policy"] == "served-login"
+                assert "x-worker-pid" not in r.headers
+                assert 1 <= int(r.headers["retry-after"]) <= 60
+            counted_by |= {r.headers["x-worker-pid"] for r in replies[1:6]}
+            if counted_by == served.worker_pids:
+                break
+    store.close()
+    assert counted_by == served.worker_pids
+
+
+# --- Litestar -----------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def litestar_served(servers: dict[str, RedisServer]) -> Iterator[Served]:
+    """``uvicorn --workers 2 --factory tests.web_apps:create_litestar_app``."""
+    with uvicorn("tests.web_apps:create_litestar_app", servers[FLAVORS[0]].url) as running:
+        yield running.served
+
+
+def test_litestar_admits_exactly_the_limit_with_the_headers(litestar_served: Served):
+    key = f"ivy-{uuid.uuid4()}"
+    replies = hammer(litestar_served.url, [{"X-API-Key": key}] * 40)
+    # The handler sees the decision in request.state.ratekeeper.
+    check_replies(replies, body={"items": [1, 2, 3], "policies": ["served-api"]})
+    health = hammer(litestar_served.url, [{"X-API-Key": key}] * 8, path="/health")
+    assert [r.status for r in health] == [200] * 8
+    assert not [h for r in health for h in r.headers if "ratelimit" in h]
+
+
+# --- memory:// under several workers ------------------------------------------------------------
+
+MEMORY_WARNING = "is on memory:// in a process that is one of several workers"
+
+
+@pytest.mark.parametrize("workers", [2, 1])
+def test_memory_under_several_uvicorn_workers_warns_once_a_worker(workers: int):
+    with uvicorn("tests.web_apps:create_app", "memory://", workers=workers) as running:
+        with httpx.Client(base_url=running.served.url, timeout=10) as http:
+            for _ in range(4):
+                assert http.get("/api/items").status_code == 200
+        output = running.output()
+    if workers == 2:
+        assert output.count(MEMORY_WARNING) == 2, output  # once in each worker
+        assert "(uvicorn with 2 workers)" in output
+    else:
+        assert MEMORY_WARNING not in output, output
+
+
+def test_memory_under_several_gunicorn_workers_warns_once_a_worker():
+    port = free_port()
+    env = {**os.environ, ENV_URL: "memory://", ENV_PREFIX: f"web-{uuid.uuid4().hex[:12]}"}
+    env.pop("WEB_CONCURRENCY", None)
+    command = [
+        sys.executable, "-m", "gunicorn", "-w", "2", "-b", f"127.0.0.1:{port}",
+        "tests.web_apps:create_wsgi_app()",
+    ]  # fmt: skip
+    with tempfile.TemporaryFile() as log:
+        proc = subprocess.Popen(
+            command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )  # fmt: skip
+        try:
+            _wait_until(
+                lambda: _log_text(log).count(MEMORY_WARNING) >= 2, proc, log, "gunicorn's workers"
+            )
+            with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=10) as http:
+                _wait_until(
+                    lambda: (r := _get(http, "/health")) is not None and r.status_code == 200,
+                    proc,
+                    log,
+                    "gunicorn's /health",
+                )
+                assert http.get("/api/items").status_code == 200
+            output = _log_text(log)
+        finally:
+            _stop(proc)
+    assert output.count(MEMORY_WARNING) == 2, output  # once in each worker (WSGI middleware)
+    assert "(gunicorn with 2 workers)" in output
 
 
 # --- ratekeeper demo --serve ---------------------------------------------------------------------

@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import httpx
+import redis.asyncio
 
 from ratekeeper import AsyncLimiter, CircuitBreaker, Policy
 from ratekeeper.asgi import RateLimitMiddleware, Rule
@@ -26,9 +27,11 @@ from ratekeeper.identity import client_ip, header
 ENV_URL = "RATEKEEPER_WEB_REDIS_URL"
 ENV_PREFIX = "RATEKEEPER_WEB_KEY_PREFIX"
 
-#: The served app's policies: 12 per minute on the API, one websocket handshake per minute.
+#: The served app's policies: 12 per minute on the API, one websocket handshake per minute,
+#: 5 failed logins per minute (only 401s count).
 SERVED_API = Policy("served-api", "12/minute")
 SERVED_WS = Policy("served-ws", "1/minute")
+SERVED_LOGIN = Policy("served-login", "5/minute")
 
 #: Seconds a store call may take before it counts as failed: never, on a loaded machine.
 PATIENT = 5.0
@@ -61,11 +64,14 @@ def create_app() -> Any:
 
     url = os.environ[ENV_URL]
     limiter = AsyncLimiter.from_url(url, **exact_options(url, os.environ[ENV_PREFIX]))
+    counter = redis.asyncio.Redis.from_url(url) if url.startswith("redis") else None
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         yield
         await limiter.close()
+        if counter is not None:
+            await counter.aclose()
 
     async def items(request: Request) -> JSONResponse:
         return JSONResponse({"items": [1, 2, 3]}, headers={"X-Worker-Pid": str(os.getpid())})
@@ -73,13 +79,28 @@ def create_app() -> Any:
     async def health(request: Request) -> JSONResponse:
         return JSONResponse({"status": "ok"}, headers={"X-Worker-Pid": str(os.getpid())})
 
+    async def login(request: Request) -> JSONResponse:
+        # Count every run of the handler in the shared store, so a test sees across workers
+        # whether it ran.
+        assert counter is not None, "the login route needs a Redis or Valkey URL"
+        await counter.incr(f"{os.environ[ENV_PREFIX]}:login-runs")
+        ok = request.headers.get("x-password") == "right"
+        return JSONResponse(
+            {"ok": ok}, status_code=200 if ok else 401, headers={"X-Worker-Pid": str(os.getpid())}
+        )
+
     async def echo(websocket: WebSocket) -> None:
         await websocket.accept()
         await websocket.send_text("hello")
         await websocket.close()
 
     app = Starlette(
-        routes=[Route("/api/items", items), Route("/health", health), WebSocketRoute("/ws", echo)],
+        routes=[
+            Route("/api/items", items),
+            Route("/health", health),
+            Route("/login", login, methods=["POST"]),
+            WebSocketRoute("/ws", echo),
+        ],
         lifespan=lifespan,
     )
     app.add_middleware(
@@ -87,10 +108,66 @@ def create_app() -> Any:
         limiter=limiter,
         policy=SERVED_API,
         key=header("x-api-key", fallback=client_ip()),
-        rules=[Rule("/ws", SERVED_WS)],
+        rules=[
+            Rule("/ws", SERVED_WS),
+            Rule("/login", SERVED_LOGIN, deduct_when=lambda status: status == 401),
+        ],
         exempt=["/health"],
     )
     return app
+
+
+def create_litestar_app() -> Any:
+    """The uvicorn factory for Litestar: the same API limit, the ASGI middleware declared with
+    Litestar's ``DefineMiddleware``; the handler returns what the middleware put in
+    ``request.state.ratekeeper``."""
+    from litestar import Litestar, Request, get
+    from litestar.middleware import DefineMiddleware
+
+    url = os.environ[ENV_URL]
+    limiter = AsyncLimiter.from_url(url, **exact_options(url, os.environ[ENV_PREFIX]))
+
+    @get("/api/items")
+    async def items(request: Request[Any, Any, Any]) -> dict[str, Any]:
+        decisions = request.state.ratekeeper
+        return {"items": [1, 2, 3], "policies": [d.policy for d in decisions]}
+
+    @get("/health")
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    async def close() -> None:
+        await limiter.close()
+
+    return Litestar(
+        route_handlers=[items, health],
+        middleware=[
+            DefineMiddleware(
+                RateLimitMiddleware,
+                limiter=limiter,
+                policy=SERVED_API,
+                key=header("x-api-key", fallback=client_ip()),
+                exempt=["/health"],
+            )
+        ],
+        on_shutdown=[close],
+    )
+
+
+def create_wsgi_app() -> Any:
+    """The gunicorn factory (``tests.web_apps:create_wsgi_app()``): a plain WSGI app behind the
+    WSGI middleware on ``RATEKEEPER_WEB_REDIS_URL``."""
+    from ratekeeper import Limiter
+    from ratekeeper.wsgi import RateLimitMiddleware as WSGIMiddleware
+
+    url = os.environ[ENV_URL]
+    limiter = Limiter.from_url(url, **exact_options(url, os.environ[ENV_PREFIX]))
+
+    def app(environ: dict[str, Any], start_response: Any) -> list[bytes]:
+        start_response("200 OK", [("Content-Type", "text/plain")])
+        return [b"ok"]
+
+    return WSGIMiddleware(app, limiter=limiter, policy=SERVED_API, exempt=["/health"])
 
 
 # --- in-process drivers ------------------------------------------------------------------------

@@ -12,8 +12,10 @@
     )
 
 Works with Starlette's ``app.add_middleware(RateLimitMiddleware, limiter=..., policy=...)`` and
-FastAPI alike. Lifespan scopes pass through untouched; websocket handshakes are limited (a denied
-handshake is closed before it is accepted).
+FastAPI alike, and with Litestar's ``middleware=[DefineMiddleware(RateLimitMiddleware, limiter=...,
+policy=...)]``. Lifespan scopes pass through untouched; websocket handshakes are limited (a denied
+handshake is closed before it is accepted). The decisions charged for a request are in
+``scope["state"]["ratekeeper"]`` (``request.state.ratekeeper``), a tuple of Decision.
 """
 
 from __future__ import annotations
@@ -25,21 +27,32 @@ from typing import Any
 from ._decision import Decision
 from ._errors import ConfigError
 from ._http import (
-    MISSING_IDENTITY_DETAIL,
+    STATE_KEY,
+    Admission,
+    CostChoice,
     DeniedResponse,
-    KeyFunc,
+    KeyChoice,
+    LazyHeaders,
     Limiting,
     MissingIdentity,
-    Outcome,
+    PolicyChoice,
     Preflight,
     Request,
     Rule,
-    with_length,
+    drive_async,
+    warn_memory_under_workers,
 )
 from ._limiter import AsyncLimiter
 from ._policy import Policy
 
-__all__ = ["RateLimitMiddleware", "Rule", "fastapi_dependency", "request_from_scope"]
+__all__ = [
+    "RateLimitExceeded",
+    "RateLimitMiddleware",
+    "Rule",
+    "fastapi_dependency",
+    "rate_limit_exceeded_handler",
+    "request_from_scope",
+]
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -48,33 +61,48 @@ Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 
-def request_from_scope(scope: Scope) -> Request:
-    """The framework-free view of an ASGI HTTP or websocket scope."""
+def _scope_headers(raw: Iterable[tuple[bytes, bytes]]) -> dict[str, str]:
     headers: dict[str, str] = {}
-    for raw_name, raw_value in scope.get("headers") or ():
+    for raw_name, raw_value in raw:
         name = raw_name.decode("latin-1").lower()
         value = raw_value.decode("latin-1")
         headers[name] = f"{headers[name]}, {value}" if name in headers else value
+    return headers
+
+
+def request_from_scope(scope: Scope) -> Request:
+    """The framework-free view of an ASGI HTTP or websocket scope (its headers are decoded
+    when first read)."""
     client = scope.get("client")
     return Request(
         method=scope.get("method", "GET"),
         path=scope.get("path", "/"),
-        headers=headers,
+        headers=LazyHeaders(scope.get("headers") or (), _scope_headers),
         peer=client[0] if client else None,
         raw=scope,
     )
 
 
 class RateLimitMiddleware:
-    """Limits every HTTP request and websocket handshake by the first matching rule.
+    """Limits every HTTP request and websocket handshake by the first matching rule, and by
+    the application policy if there is one.
 
     Arguments, keyword-only:
 
     * ``limiter``: an :class:`AsyncLimiter` (a blocking Limiter is refused).
-    * ``policy``: the default policy for paths no rule matches (None: such paths are not limited).
-    * ``key``: the default key function (default: ``client_ip()``, the socket peer).
-    * ``rules``: :class:`Rule` values, tried in order; the first match wins.
+    * ``policy``: the default policy for paths no rule matches (None: such paths are not
+      limited by a rule).
+    * ``key``: the default key function (default: ``client_ip()``, the socket peer); sync or
+      ``async def``.
+    * ``rules``: :class:`Rule` values, tried in order; the first match wins. A rule's policy,
+      key and cost may be callables of the request, sync or async (plans chosen per request);
+      its ``deduct_when`` charges it after the response, by status.
     * ``exempt``: path globs or regexes never limited (health checks).
+    * ``application_policy``: a Policy, or a callable of the request returning one or None,
+      charged (cost 1) on every request that is not exempt, in addition to the matching rule;
+      ``application_key`` its key function (default: ``key``). A request is admitted only when
+      every policy admits it; see :class:`ratekeeper._http.Limiting` for what a denial by one
+      consumes from the other (nothing, when the rule's policy denies).
     * ``shadow``: decide, record and send headers, but never block (dark launches). A rule's
       own ``shadow=True`` does the same for its routes.
     * ``legacy_headers``: also send ``X-RateLimit-Limit/Remaining/Reset``.
@@ -89,10 +117,19 @@ class RateLimitMiddleware:
     * ``preflight``: ``"exempt"`` (the default) passes CORS preflights (OPTIONS with
       ``Origin`` and ``Access-Control-Request-Method``) on uncharged, unless the matching rule
       names "OPTIONS"; ``"charge"`` charges them like any other request.
+    * ``enabled``: False passes every request on untouched, with no store call (a kill switch
+      for incidents and tests).
 
     Rule methods match as frameworks route them: a rule naming GET also charges HEAD. Decisions
     the store could not make (``decision.degraded``) get no RateLimit headers: their numbers
-    would be made up; a degraded denial (failure mode ``closed``) is still a 429.
+    would be made up; a degraded denial (failure mode ``closed``) is still a 429. The headers
+    list every policy that applied in ``RateLimit-Policy``; ``RateLimit`` is the one that
+    constrains most. The decisions charged before the app runs are in
+    ``scope["state"]["ratekeeper"]`` (an empty tuple when none was: exempt, no policy applied;
+    a ``deduct_when`` policy is charged after the app).
+
+    On ``memory://`` in a process that is evidently one of several workers (``uvicorn
+    --workers``, gunicorn), a warning is logged once: each worker would admit the whole limit.
     """
 
     def __init__(
@@ -101,7 +138,7 @@ class RateLimitMiddleware:
         *,
         limiter: AsyncLimiter,
         policy: Policy | None = None,
-        key: KeyFunc | None = None,
+        key: KeyChoice | None = None,
         rules: Iterable[Rule] = (),
         exempt: Iterable[str | re.Pattern[str]] = (),
         shadow: bool = False,
@@ -109,6 +146,9 @@ class RateLimitMiddleware:
         denied: DeniedResponse | None = None,
         missing_identity: MissingIdentity = "client_ip",
         preflight: Preflight = "exempt",
+        application_policy: PolicyChoice = None,
+        application_key: KeyChoice | None = None,
+        enabled: bool = True,
     ) -> None:
         if not isinstance(limiter, AsyncLimiter):
             raise ConfigError(
@@ -127,67 +167,146 @@ class RateLimitMiddleware:
             denied=denied,
             missing_identity=missing_identity,
             preflight=preflight,
+            application_policy=application_policy,
+            application_key=application_key,
+            enabled=enabled,
+            asynchronous=True,
         )
+        if enabled:
+            warn_memory_under_workers(limiter, "the ASGI middleware's limiter")
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         kind = scope["type"]
-        if kind not in ("http", "websocket"):
+        if kind not in ("http", "websocket") or not self.limiting.enabled:
             await self.app(scope, receive, send)
             return
         request = request_from_scope(scope)
-        route = self.limiting.route(request)
-        if route is None:
+        admission: Admission | None = await drive_async(self.limiting.admit(request), self.limiter)
+        if admission is None:
+            scope.setdefault("state", {})[STATE_KEY] = ()
             await self.app(scope, receive, send)
             return
-        if isinstance(route, Outcome):
-            outcome = route
-        else:
-            decision = await self.limiter.hit(route.policy, route.identity, route.rule.cost)
-            outcome = self.limiting.outcome(route.rule, decision, request)
-        if outcome.blocked:
+        if admission.response is not None:
             if kind == "websocket":
                 # Refuse the handshake: close before accepting (the server answers 403).
                 await send({"type": "websocket.close", "code": 1008})
                 return
-            assert outcome.response is not None
-            await _respond(send, *outcome.response)
+            await _respond(send, *admission.response)
             return
-        if not outcome.headers or kind == "websocket":
+        scope.setdefault("state", {})[STATE_KEY] = admission.decisions
+        if admission.deferred:
+            await self._deferred(admission, scope, receive, send)
+        elif not admission.headers or kind == "websocket":
             await self.app(scope, receive, send)
-            return
-        await self.app(scope, receive, _with_headers(send, outcome.headers))
+        else:
+            await self.app(scope, receive, _with_headers(send, admission.headers))
+
+    async def _deferred(
+        self, admission: Admission, scope: Scope, receive: Receive, send: Send
+    ) -> None:
+        """Run the app, charging the ``deduct_when`` policies once its status is known: at
+        the response start (a websocket: 101 when accepted, 403 when closed before; an
+        exception before the response: 500)."""
+        settled = False
+
+        async def settle(status: int) -> list[tuple[bytes, bytes]]:
+            nonlocal settled
+            settled = True
+            headers = await drive_async(self.limiting.settle(admission, status), self.limiter)
+            return _encode(headers)
+
+        async def wrapped(message: Message) -> None:
+            kind = message["type"]
+            if not settled:
+                if kind in ("http.response.start", "websocket.http.response.start"):
+                    ours = await settle(int(message["status"]))
+                    message = {**message, "headers": _merge(message.get("headers", ()), ours)}
+                elif kind == "websocket.accept":
+                    await settle(101)
+                elif kind == "websocket.close":
+                    await settle(403)
+            await send(message)
+
+        try:
+            await self.app(scope, receive, wrapped)
+        except Exception:
+            if not settled:
+                await settle(500)
+            raise
+
+
+#: Header names as ASGI sends them (lower-case bytes): the same few on every response.
+_names: dict[str, bytes] = {}
+
+
+def _name(name: str) -> bytes:
+    encoded = _names.get(name)
+    if encoded is None:
+        encoded = name.lower().encode("latin-1")
+        if len(_names) < 256:  # names come from our rendering and the denied= callable
+            _names[name] = encoded
+    return encoded
+
+
+def _encode(headers: list[tuple[str, str]]) -> list[tuple[bytes, bytes]]:
+    return [(_name(n), v.encode("latin-1")) for n, v in headers]
+
+
+def _merge(
+    app_headers: Iterable[tuple[bytes, bytes]], ours: list[tuple[bytes, bytes]]
+) -> list[tuple[bytes, bytes]]:
+    names = {name for name, _ in ours}
+    return [(n, v) for n, v in app_headers if n.lower() not in names] + ours
 
 
 def _with_headers(send: Send, headers: list[tuple[str, str]]) -> Send:
-    encoded = [(n.lower().encode("latin-1"), v.encode("latin-1")) for n, v in headers]
-    names = {name for name, _ in encoded}
+    encoded = _encode(headers)
 
     async def wrapped(message: Message) -> None:
         if message["type"] == "http.response.start":
-            kept = [(n, v) for n, v in message.get("headers", ()) if n.lower() not in names]
-            message = {**message, "headers": kept + encoded}
+            message = {**message, "headers": _merge(message.get("headers", ()), encoded)}
         await send(message)
 
     return wrapped
 
 
 async def _respond(send: Send, status: int, headers: list[tuple[str, str]], body: bytes) -> None:
-    raw = [
-        (n.lower().encode("latin-1"), v.encode("latin-1")) for n, v in with_length(headers, body)
-    ]
+    """Send a response of ours (a denial, a rejection): its headers carry Content-Length."""
+    raw = _encode(headers)
     await send({"type": "http.response.start", "status": status, "headers": raw})
     await send({"type": "http.response.body", "body": body})
 
 
+class RateLimitExceeded(Exception):
+    """Raised by :func:`fastapi_dependency` to answer a request with ``response`` (status,
+    headers, body): the middleware's 429 (or 400), rendered by the same code."""
+
+    def __init__(self, response: tuple[int, list[tuple[str, str]], bytes]) -> None:
+        super().__init__(response[0])
+        self.response = response
+
+
+async def rate_limit_exceeded_handler(request: Any, exc: RateLimitExceeded) -> Any:
+    """The Starlette/FastAPI exception handler that answers :class:`RateLimitExceeded` with its
+    response; :func:`fastapi_dependency` installs it on first use (an app's own handler for
+    RateLimitExceeded wins)."""
+    from starlette.responses import Response
+
+    status, headers, body = exc.response
+    return Response(body, status_code=status, headers=dict(headers))
+
+
 def fastapi_dependency(
     limiter: AsyncLimiter,
-    policy: Policy,
+    policy: PolicyChoice,
     *,
-    key: KeyFunc | None = None,
-    cost: int = 1,
+    key: KeyChoice | None = None,
+    cost: CostChoice = 1,
     legacy_headers: bool = False,
+    denied: DeniedResponse | None = None,
     missing_identity: MissingIdentity = "client_ip",
     preflight: Preflight = "exempt",
+    enabled: bool = True,
 ) -> Callable[..., Awaitable[Decision | None]]:
     """A FastAPI dependency that limits one endpoint (``pip install fastapi``).
 
@@ -197,42 +316,46 @@ def fastapi_dependency(
         async def search(decision: Decision = Depends(limited)): ...
 
     Charges every request its endpoint serves (HEAD too, under ``api_route(methods=["GET",
-    "HEAD"])``). Sets the RateLimit headers on the response, and raises ``HTTPException(429)``
-    with ``Retry-After`` when the request is denied. ``missing_identity`` and ``preflight`` are
-    those of :class:`RateLimitMiddleware`; ``"reject"`` raises ``HTTPException(400)``. Returns
-    the decision, or None for a request that was not charged (``missing_identity="allow"``, an
-    exempt CORS preflight).
+    "HEAD"])``). Sets the RateLimit headers on the response; a denied request is answered
+    exactly as the middleware answers it (429, problem+json, the same headers), through
+    :class:`RateLimitExceeded` and its handler. ``policy``, ``key`` and ``cost`` may be
+    callables of the request (sync or async), and the other options are those of
+    :class:`RateLimitMiddleware`; ``missing_identity="reject"`` answers its 400. Returns the
+    decision, or None for a request that was not charged (``missing_identity="allow"``, an
+    exempt CORS preflight, ``enabled=False``, a policy callable returning None).
     """
-    from fastapi import HTTPException, Response
+    from fastapi import Response
     from starlette.requests import Request as StarletteRequest
 
     if not isinstance(limiter, AsyncLimiter):
         raise ConfigError("fastapi_dependency needs an AsyncLimiter")
+    if policy is None:
+        raise ConfigError("fastapi_dependency needs a policy, or a callable returning one")
     limiting = Limiting(
         rules=[Rule("*", policy, key=key, cost=cost)],
         legacy_headers=legacy_headers,
+        denied=denied,
         missing_identity=missing_identity,
         preflight=preflight,
+        enabled=enabled,
+        asynchronous=True,
     )
 
     async def dependency(request: Any, response: Any) -> Decision | None:
-        view = request_from_scope(request.scope)
-        route = limiting.route(view)
-        if route is None:
+        admission: Admission | None = await drive_async(
+            limiting.admit(request_from_scope(request.scope)), limiter
+        )
+        if admission is None:
             return None
-        if isinstance(route, Outcome):
-            raise HTTPException(status_code=400, detail=MISSING_IDENTITY_DETAIL)
-        decision = await limiter.hit(policy, route.identity, route.rule.cost)
-        outcome = limiting.outcome(route.rule, decision, view)
-        if outcome.blocked:
-            raise HTTPException(
-                status_code=429,
-                detail=f"Rate limit exceeded for policy {policy.name!r} ({decision.rate}).",
-                headers=dict(outcome.headers),
-            )
-        for name, value in outcome.headers:
+        if admission.response is not None:
+            handlers = request.scope.get("starlette.exception_handlers")
+            if handlers is not None:  # the app's own table: as add_exception_handler would
+                handlers[0].setdefault(RateLimitExceeded, rate_limit_exceeded_handler)
+            raise RateLimitExceeded(admission.response)
+        for name, value in admission.headers:
             response.headers[name] = value
-        return decision
+        request.scope.setdefault("state", {})[STATE_KEY] = admission.decisions
+        return admission.decisions[0] if admission.decisions else None
 
     # FastAPI reads these to inject the request and the response (string annotations from
     # ``from __future__ import annotations`` would not resolve to the local imports).

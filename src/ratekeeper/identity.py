@@ -27,10 +27,15 @@ __all__ = ["KeyFunc", "Request", "client_ip", "first", "header"]
 
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
+#: A peer string's address (None: not an address), its identity, and whether it is trusted.
+_Peer = tuple["IPAddress | None", "str | None", bool]
 
 #: Hops of a forwarding header that are looked at, at most: a longer chain is cut (from the
 #: left, where a client writes) so parsing stays cheap whatever a client sends.
 MAX_HOPS = 20
+
+#: Socket peers whose parsed address and identity a ``client_ip()`` keeps (cleared when full).
+PEER_CACHE_SIZE = 4096
 
 
 def _parse_ip(text: str) -> IPAddress | None:
@@ -92,6 +97,7 @@ class _ClientIP:
         self.ipv6_prefix = ipv6_prefix
         self.header = header.lower()
         self.max_hops = max_hops
+        self._peers: dict[str, _Peer] = {}
 
     def _trusted(self, address: IPAddress) -> bool:
         return any(address in network for network in self.trusted)
@@ -102,15 +108,37 @@ class _ClientIP:
             return f"ip:{network}"
         return f"ip:{address}"
 
+    def _peer(self, text: str) -> _Peer:
+        """What a peer string means: its address, its identity, whether it is trusted; kept
+        per string (bounded), so a busy client's address is parsed once."""
+        known = self._peers.get(text)
+        if known is None:
+            address = _parse_ip(text)
+            if address is None:
+                known = (None, None, False)
+            else:
+                known = (
+                    address,
+                    self._render(address),
+                    bool(self.trusted) and self._trusted(address),
+                )
+            if len(text) <= 64:  # a peer string is the server's, but never keep a long one
+                if len(self._peers) >= PEER_CACHE_SIZE:
+                    self._peers.clear()
+                self._peers[text] = known
+        return known
+
     def __call__(self, request: Request) -> str | None:
-        peer = _parse_ip(request.peer) if request.peer else None
+        if not request.peer:
+            return None
+        peer, rendered, trusted = self._peer(request.peer)
         if peer is None:
             return None
-        if not self.trusted or not self._trusted(peer):
-            return self._render(peer)
+        if not trusted:
+            return rendered
         raw = request.headers.get(self.header)
         if not raw:
-            return self._render(peer)
+            return rendered
         # Only the right-most hops matter; cut the rest before splitting.
         tail = raw[-(self.max_hops * 64) :]
         hops = _forwarded_for(tail) if self.header == "forwarded" else tail.split(",")

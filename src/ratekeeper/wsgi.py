@@ -8,26 +8,35 @@
         policy=Policy("api", "100/minute"),
     )
 
-The arguments are those of :class:`ratekeeper.asgi.RateLimitMiddleware`.
+The arguments are those of :class:`ratekeeper.asgi.RateLimitMiddleware`; here a rule's policy,
+key and cost callables are plain functions (an ``async def`` one is refused). The decisions
+charged for a request are in ``environ["ratekeeper"]``, a tuple of Decision.
 """
 
 from __future__ import annotations
 
+import inspect
 import re
 from collections.abc import Callable, Iterable
 from typing import Any
 
 from ._errors import ConfigError
 from ._http import (
+    STATE_KEY,
+    Admission,
+    CostChoice,
     DeniedResponse,
-    KeyFunc,
+    KeyChoice,
+    LazyHeaders,
     Limiting,
     MissingIdentity,
-    Outcome,
+    PolicyChoice,
     Preflight,
     Request,
     Rule,
+    drive_sync,
     merge_headers,
+    warn_memory_under_workers,
 )
 from ._limiter import Limiter
 from ._policy import Policy
@@ -45,24 +54,28 @@ _REASONS = {
 }
 
 
-def request_from_environ(environ: dict[str, Any]) -> Request:
-    """The framework-free view of a WSGI environ."""
-    headers = {
+def _environ_headers(environ: dict[str, Any]) -> dict[str, str]:
+    return {
         name[5:].replace("_", "-").lower(): value
         for name, value in environ.items()
         if name.startswith("HTTP_") and isinstance(value, str)
     }
+
+
+def request_from_environ(environ: dict[str, Any]) -> Request:
+    """The framework-free view of a WSGI environ (its headers are decoded when first read)."""
     return Request(
         method=environ.get("REQUEST_METHOD", "GET"),
         path=environ.get("PATH_INFO", "/") or "/",
-        headers=headers,
+        headers=LazyHeaders(environ, _environ_headers),
         peer=environ.get("REMOTE_ADDR") or None,
         raw=environ,
     )
 
 
 class RateLimitMiddleware:
-    """Limits every request by the first matching rule; see the ASGI middleware for arguments."""
+    """Limits every request by the first matching rule and the application policy; see the
+    ASGI middleware for the arguments."""
 
     def __init__(
         self,
@@ -70,7 +83,7 @@ class RateLimitMiddleware:
         *,
         limiter: Limiter,
         policy: Policy | None = None,
-        key: KeyFunc | None = None,
+        key: KeyChoice | None = None,
         rules: Iterable[Rule] = (),
         exempt: Iterable[str | re.Pattern[str]] = (),
         shadow: bool = False,
@@ -78,6 +91,9 @@ class RateLimitMiddleware:
         denied: DeniedResponse | None = None,
         missing_identity: MissingIdentity = "client_ip",
         preflight: Preflight = "exempt",
+        application_policy: PolicyChoice = None,
+        application_key: KeyChoice | None = None,
+        enabled: bool = True,
     ) -> None:
         if not isinstance(limiter, Limiter):
             raise ConfigError("the WSGI middleware needs a blocking Limiter")
@@ -93,23 +109,30 @@ class RateLimitMiddleware:
             denied=denied,
             missing_identity=missing_identity,
             preflight=preflight,
+            application_policy=application_policy,
+            application_key=application_key,
+            enabled=enabled,
         )
+        if enabled:
+            warn_memory_under_workers(limiter, "the WSGI middleware's limiter")
 
     def __call__(self, environ: dict[str, Any], start_response: StartResponse) -> Iterable[bytes]:
-        request = request_from_environ(environ)
-        route = self.limiting.route(request)
-        if route is None:
+        if not self.limiting.enabled:
             return self.app(environ, start_response)
-        if isinstance(route, Outcome):
-            outcome = route
-        else:
-            decision = self.limiter.hit(route.policy, route.identity, route.rule.cost)
-            outcome = self.limiting.outcome(route.rule, decision, request)
-        if outcome.response is not None:
-            status, out, body = outcome.response
+        admission: Admission | None = drive_sync(
+            self.limiting.admit(request_from_environ(environ)), self.limiter
+        )
+        if admission is None:
+            environ[STATE_KEY] = ()
+            return self.app(environ, start_response)
+        if admission.response is not None:
+            status, out, body = admission.response
             start_response(f"{status} {_REASONS.get(status, 'Error')}", out)
             return [body]
-        headers = outcome.headers
+        environ[STATE_KEY] = admission.decisions
+        if admission.deferred:
+            return self._deferred(admission, environ, start_response)
+        headers = admission.headers
         if not headers:
             return self.app(environ, start_response)
 
@@ -121,27 +144,64 @@ class RateLimitMiddleware:
 
         return self.app(environ, start)
 
+    def _deferred(
+        self, admission: Admission, environ: dict[str, Any], start_response: StartResponse
+    ) -> Iterable[bytes]:
+        """Call the app, charging the ``deduct_when`` policies when it starts its response
+        (an exception before that: as a 500)."""
+        settled = False
+
+        def settle(status: int) -> list[tuple[str, str]]:
+            nonlocal settled
+            settled = True
+            headers: list[tuple[str, str]] = drive_sync(
+                self.limiting.settle(admission, status), self.limiter
+            )
+            return headers
+
+        def start(status: str, app_headers: list[tuple[str, str]], exc_info: Any = None) -> Any:
+            if not settled:
+                code = status.split(" ", 1)[0]
+                app_headers = merge_headers(
+                    app_headers, settle(int(code) if code.isdigit() else 500)
+                )
+            if exc_info is not None:
+                return start_response(status, app_headers, exc_info)
+            return start_response(status, app_headers)
+
+        try:
+            return self.app(environ, start)
+        except Exception:
+            if not settled:
+                settle(500)
+            raise
+
 
 def flask_limit(
     limiter: Limiter,
-    policy: Policy,
+    policy: PolicyChoice,
     *,
-    key: KeyFunc | None = None,
-    cost: int = 1,
+    key: KeyChoice | None = None,
+    cost: CostChoice = 1,
     legacy_headers: bool = False,
+    denied: DeniedResponse | None = None,
     missing_identity: MissingIdentity = "client_ip",
     preflight: Preflight = "exempt",
+    enabled: bool = True,
 ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    """A Flask view decorator that limits one endpoint (``pip install flask``).
+    """A Flask view decorator that limits one endpoint (``pip install flask``; async views
+    need ``flask[async]``).
 
         @app.get("/search")
         @flask_limit(limiter, Policy("search", "10/minute"))
         def search(): ...
 
-    Charges every request the view serves (Flask serves HEAD with a GET view). Adds the
-    RateLimit headers to the view's response, or answers 429 with problem+json.
-    ``missing_identity`` and ``preflight`` are those of the middleware (``"reject"`` answers
-    400 with problem+json).
+    Works on sync and ``async def`` views alike. Charges every request the view serves (Flask
+    serves HEAD with a GET view). Adds the RateLimit headers to the view's response, or answers
+    as the middleware does: 429 with problem+json. ``policy``, ``key`` and ``cost`` may be
+    plain functions of the request view; the other options are those of the middleware
+    (``missing_identity="reject"`` answers 400 with problem+json). The decisions charged are
+    in ``flask.request.environ["ratekeeper"]``.
     """
     import functools
 
@@ -149,32 +209,56 @@ def flask_limit(
 
     if not isinstance(limiter, Limiter):
         raise ConfigError("flask_limit needs a blocking Limiter")
+    if policy is None:
+        raise ConfigError("flask_limit needs a policy, or a callable returning one")
     limiting = Limiting(
         rules=[Rule("*", policy, key=key, cost=cost)],
         legacy_headers=legacy_headers,
+        denied=denied,
         missing_identity=missing_identity,
         preflight=preflight,
+        enabled=enabled,
     )
 
+    def admit() -> Admission | None:
+        environ = flask.request.environ
+        admission: Admission | None = drive_sync(
+            limiting.admit(request_from_environ(environ)), limiter
+        )
+        if admission is not None and admission.response is None:
+            environ[STATE_KEY] = admission.decisions
+        return admission
+
+    def respond(admission: Admission | None, result: Any) -> Any:
+        response = flask.make_response(result)
+        if admission is not None:
+            for name, value in admission.headers:
+                response.headers[name] = value
+        return response
+
+    def refused(admission: Admission) -> Any:
+        assert admission.response is not None
+        status, headers, body = admission.response
+        return flask.Response(body, status=status, headers=headers)
+
     def decorate(view: Callable[..., Any]) -> Callable[..., Any]:
+        if inspect.iscoroutinefunction(view):
+
+            @functools.wraps(view)
+            async def async_wrapper(*args: Any, **kwargs: Any) -> Any:
+                admission = admit()
+                if admission is not None and admission.response is not None:
+                    return refused(admission)
+                return respond(admission, await view(*args, **kwargs))
+
+            return async_wrapper
+
         @functools.wraps(view)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
-            request = request_from_environ(flask.request.environ)
-            route = limiting.route(request)
-            if route is None:
-                return view(*args, **kwargs)
-            if isinstance(route, Outcome):
-                outcome = route
-            else:
-                decision = limiter.hit(policy, route.identity, route.rule.cost)
-                outcome = limiting.outcome(route.rule, decision, request)
-            if outcome.response is not None:
-                status, headers, body = outcome.response
-                return flask.Response(body, status=status, headers=headers)
-            response = flask.make_response(view(*args, **kwargs))
-            for name, value in outcome.headers:
-                response.headers[name] = value
-            return response
+            admission = admit()
+            if admission is not None and admission.response is not None:
+                return refused(admission)
+            return respond(admission, view(*args, **kwargs))
 
         return wrapper
 

@@ -1,0 +1,309 @@
+"""Django: a middleware configured from ``settings.RATEKEEPER``, a ``ratelimit`` decorator for
+sync and async views, and system checks (``pip install 'ratekeeper[django]'``).
+
+    # settings.py
+    INSTALLED_APPS = [..., "ratekeeper.django"]          # the system checks
+    MIDDLEWARE = [..., "ratekeeper.django.RateLimitMiddleware"]
+    RATEKEEPER = {
+        "STORAGE_URL": "redis://cache.internal:6379/0",
+        "TRUSTED_PROXIES": ["10.0.0.0/8"],
+        "RULES": [{"path": "/api/*", "policy": Policy("api", "100/minute")}],
+    }
+
+    # views.py
+    @ratelimit("5/minute", key="post:username", methods={"POST"})
+    def login(request): ...
+
+Rules, headers and the 429 body are those of ``ratekeeper.asgi`` (one copy, in
+``ratekeeper._http``). Under WSGI the blocking ``Limiter`` decides; under ASGI (and for async
+views) the ``AsyncLimiter``, each built once per process from the settings on first use. The
+decisions charged for a request are in ``request.ratekeeper``, a tuple of ``Decision``.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from collections.abc import Awaitable, Callable, Generator, Iterable
+from typing import Any
+
+from asgiref.sync import iscoroutinefunction, markcoroutinefunction
+from django.core.exceptions import ImproperlyConfigured
+from django.core.handlers.wsgi import WSGIRequest
+from django.http import HttpRequest, HttpResponse, HttpResponseBase
+
+from .._decision import Decision
+from .._errors import ConfigError
+from .._http import (
+    Admission,
+    Limiting,
+    Rule,
+    Steps,
+    StoreCall,
+    drive_async,
+    drive_sync,
+    warn_memory_under_workers,
+)
+from .._limiter import Limiter
+from .._policy import Policy
+from . import checks as checks
+from ._settings import (
+    Config,
+    SettingsError,
+    current,
+    on_django_request,
+    request_view,
+    resolve_key,
+)
+
+__all__ = ["RateLimitMiddleware", "SettingsError", "ratelimit", "request_view"]
+
+Handler = Callable[[HttpRequest], Any]
+
+
+def _record(request: HttpRequest, decisions: tuple[Decision, ...]) -> None:
+    """Add ``decisions`` to ``request.ratekeeper`` (the middleware's, then a decorator's)."""
+    if decisions:
+        previous: tuple[Decision, ...] = getattr(request, "ratekeeper", ())
+        request.ratekeeper = (*previous, *decisions)
+
+
+def _blocked(admission: Admission) -> HttpResponse:
+    assert admission.response is not None
+    status, headers, body = admission.response
+    return HttpResponse(body, status=status, headers=dict(headers))
+
+
+def _with_headers(response: HttpResponseBase, headers: list[tuple[str, str]]) -> Any:
+    for name, value in headers:
+        response[name] = value
+    return response
+
+
+def _run_sync(
+    limiting: Limiting, limiter: Limiter, request: HttpRequest, handler: Callable[[], Any]
+) -> Any:
+    """Admit the request, run ``handler`` unless blocked, settle outcome-counted charges."""
+    admission = drive_sync(limiting.admit(request_view(request)), limiter)
+    if admission is None:
+        return handler()
+    if admission.blocked:
+        return _blocked(admission)
+    before = admission.decisions
+    _record(request, before)
+    response = handler()
+    headers = admission.headers
+    if admission.deferred:
+        headers = drive_sync(limiting.settle(admission, response.status_code), limiter)
+        _record(request, admission.decisions[: len(admission.decisions) - len(before)])
+    return _with_headers(response, headers)
+
+
+def _one(step: StoreCall) -> Generator[StoreCall, Any, Any]:
+    reply = yield step
+    return reply
+
+
+async def _drive_blocking(steps: Steps, limiter: Limiter) -> Any:
+    """``drive_async`` with the blocking limiter's store calls (made by ``drive_sync``)."""
+    reply: Any = None
+    while True:
+        try:
+            step = steps.send(reply)
+        except StopIteration as done:
+            return done.value
+        if isinstance(step, StoreCall):
+            reply = drive_sync(_one(step), limiter)
+        else:
+            reply = await step
+
+
+async def _run_async(
+    limiting: Limiting, conf: Config, request: HttpRequest, handler: Callable[[], Awaitable[Any]]
+) -> Any:
+    """:func:`_run_sync` for an async view or chain, awaiting async callables.
+
+    Under ASGI the store calls go through the AsyncLimiter of the server's event loop. Under
+    WSGI, Django runs an async view on an event loop of its own for that one request (in
+    ``async_to_sync``): there the blocking limiter makes the store calls, on its pool, instead
+    of opening a connection on a loop that is closed after the request."""
+    if isinstance(request, WSGIRequest):
+        limiter = conf.limiter()
+
+        def drive(steps: Steps) -> Awaitable[Any]:
+            return _drive_blocking(steps, limiter)
+    else:
+        async_limiter = conf.async_limiter()
+
+        def drive(steps: Steps) -> Awaitable[Any]:
+            return drive_async(steps, async_limiter)
+
+    admission = await drive(limiting.admit(request_view(request)))
+    if admission is None:
+        return await handler()
+    if admission.blocked:
+        return _blocked(admission)
+    before = admission.decisions
+    _record(request, before)
+    response = await handler()
+    headers = admission.headers
+    if admission.deferred:
+        headers = await drive(limiting.settle(admission, response.status_code))
+        _record(request, admission.decisions[: len(admission.decisions) - len(before)])
+    return _with_headers(response, headers)
+
+
+class RateLimitMiddleware:
+    """Limits every request by the first matching rule of ``settings.RATEKEEPER`` (``RULES``,
+    then ``POLICY`` for every other path; ``APPLICATION_POLICY`` on top), for WSGI and ASGI
+    Django alike: Django gives it the sync or the async chain, and it answers in kind.
+    Denied: 429 with problem+json and the RateLimit headers, before the view; admitted: the
+    RateLimit headers on the view's response, the decisions in ``request.ratekeeper``.
+
+    With ``ENABLED = False`` every request passes untouched and the store is never called.
+    """
+
+    sync_capable = True
+    async_capable = True
+
+    def __init__(self, get_response: Handler) -> None:
+        self.get_response = get_response
+        self.is_async = iscoroutinefunction(get_response)
+        if self.is_async:
+            markcoroutinefunction(self)
+        conf = current()
+        if conf.middleware(self.is_async) is None:
+            raise SettingsError(
+                "settings.RATEKEEPER: RateLimitMiddleware needs a 'POLICY', 'RULES' or "
+                "'APPLICATION_POLICY' (the ratelimit decorator needs none)"
+            )
+        if conf.enabled:  # the blocking limiter has the same store as the asyncio one
+            warn_memory_under_workers(conf.limiter(), "ratekeeper.django.RateLimitMiddleware")
+
+    def __call__(self, request: HttpRequest) -> Any:
+        if self.is_async:
+            return self._acall(request)
+        conf = current()
+        limiting = conf.middleware(False)
+        if not conf.enabled or limiting is None:
+            return self.get_response(request)
+        return _run_sync(limiting, conf.limiter(), request, lambda: self.get_response(request))
+
+    async def _acall(self, request: HttpRequest) -> Any:
+        conf = current()
+        limiting = conf.middleware(True)
+        if not conf.enabled or limiting is None:
+            return await self.get_response(request)
+        return await _run_async(limiting, conf, request, lambda: self.get_response(request))
+
+
+_NOT_IN_NAME = re.compile(r"[^A-Za-z0-9_.:/-]+")
+
+
+def _view_policy(policy: Any, view: Callable[..., Any]) -> Any:
+    """``policy``; a callable of the HttpRequest as one of the request view; or rates named
+    after the view (``myapp.views.login``) as django-ratelimit names its groups."""
+    if isinstance(policy, Policy):
+        return policy
+    if callable(policy):
+        return on_django_request(policy)
+    if not isinstance(policy, str):
+        raise SettingsError(f"ratelimit: policy must be a Policy or rates, got {policy!r}")
+    name = _NOT_IN_NAME.sub("-", f"{view.__module__}.{view.__qualname__}").strip("-.")[:128]
+    try:
+        return Policy(name, policy)
+    except ConfigError as exc:
+        raise SettingsError(f"ratelimit on {view.__qualname__}: {exc}") from None
+
+
+def _django_request(args: tuple[Any, ...]) -> HttpRequest:
+    """The request among a view's arguments: the first (a function view) or the second (a
+    method of a class-based view); a DRF Request gives its Django request."""
+    for arg in args[:2]:
+        request = getattr(arg, "_request", arg)
+        if isinstance(request, HttpRequest):
+            return request
+    raise ImproperlyConfigured("ratelimit: the decorated view was not given a request")
+
+
+def ratelimit(
+    policy: Policy | str | Callable[[HttpRequest], Any],
+    *,
+    key: Any = None,
+    cost: int | Callable[[HttpRequest], Any] = 1,
+    methods: Iterable[str] | None = None,
+    shadow: bool = False,
+) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Limits one view, sync or async (``async def`` views run on the ``AsyncLimiter``).
+
+        @ratelimit(Policy("search", "10/minute"), key="user_or_ip")
+        def search(request): ...
+
+        @ratelimit("5/minute", key="post:username", methods={"POST"})
+        async def login(request): ...
+
+    ``policy``: a Policy; rates (``"5/minute"``) for a policy named after the view; or a
+    callable of the HttpRequest returning a Policy or None (not limited), chosen per request
+    (free and pro plans). ``cost``: an int, or a callable of the HttpRequest returning one.
+    On an ``async def`` view the callables may be ``async def`` too.
+    ``key``: ``"ip"`` (the client address, through ``TRUSTED_PROXIES``), ``"user"``,
+    ``"user_or_ip"``, ``"header:<name>"`` (hashed), ``"get:<name>"``, ``"post:<name>"``, a
+    callable of the HttpRequest returning the identity (or None), or its dotted path; default:
+    the settings' ``KEY``. A request with no identity is handled by ``MISSING_IDENTITY``.
+    ``methods``: the methods charged (a rule naming GET also charges HEAD); others pass
+    uncharged. ``shadow``: decide and send headers, never block. Denied: 429 with problem+json
+    and the RateLimit headers, before the view runs. ``ENABLED = False`` turns it off.
+    """
+
+    def decorate(view: Callable[..., Any]) -> Callable[..., Any]:
+        chosen = _view_policy(policy, view)
+        where = f"ratelimit on {view.__qualname__}"
+        asynchronous = iscoroutinefunction(view)
+        given: Any = methods if methods is None or isinstance(methods, str) else set(methods)
+
+        def rule(rule_key: Any) -> Rule:
+            charged = on_django_request(cost) if callable(cost) else cost
+            return Rule("*", chosen, methods=given, key=rule_key, cost=charged)
+
+        try:
+            # Bad arguments fail at import, not at the first request.
+            probe_key = None if key is None else resolve_key(key, f"{where}: key")
+            Limiting(rules=[rule(probe_key)], asynchronous=asynchronous)
+        except ConfigError as exc:
+            raise SettingsError(f"{where}: {exc}") from None
+        built: list[tuple[Config, Limiting]] = []
+
+        def limiting(conf: Config) -> Limiting:
+            # Built per settings object: the key and options come from settings.RATEKEEPER.
+            if built and built[0][0] is conf:
+                return built[0][1]
+            rule_key = None if key is None else resolve_key(key, where, conf.trusted_proxies)
+            made = conf.limiting_for(rule(rule_key), shadow=shadow, asynchronous=asynchronous)
+            built[:] = [(conf, made)]
+            return made
+
+        if asynchronous:
+
+            @functools.wraps(view)
+            async def async_wrapper(*args: Any, **kwargs: Any) -> Any:
+                conf = current()
+                if not conf.enabled:
+                    return await view(*args, **kwargs)
+                return await _run_async(
+                    limiting(conf), conf, _django_request(args), lambda: view(*args, **kwargs)
+                )
+
+            return async_wrapper
+
+        @functools.wraps(view)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            conf = current()
+            if not conf.enabled:
+                return view(*args, **kwargs)
+            return _run_sync(
+                limiting(conf), conf.limiter(), _django_request(args), lambda: view(*args, **kwargs)
+            )
+
+        return wrapper
+
+    return decorate

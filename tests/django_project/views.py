@@ -1,0 +1,67 @@
+"""The test project's views: one behind the middleware's rule, two behind the decorator, two
+DRF views (ratekeeper's throttle and DRF's own)."""
+
+from __future__ import annotations
+
+import os
+from typing import ClassVar
+
+from django.http import HttpRequest, JsonResponse
+from rest_framework.request import Request
+from rest_framework.response import Response
+from rest_framework.throttling import ScopedRateThrottle
+from rest_framework.views import APIView
+
+from ratekeeper import Policy
+from ratekeeper.django import ratelimit
+from ratekeeper.drf import RatekeeperThrottle
+
+SYNC_VIEW = Policy("dj-sync", "7/minute")
+ASYNC_VIEW = Policy("dj-async", "9/minute")
+
+
+def _pid(response: JsonResponse) -> JsonResponse:
+    response["X-Worker-Pid"] = str(os.getpid())
+    return response
+
+
+def health(request: HttpRequest) -> JsonResponse:
+    return _pid(JsonResponse({"status": "ok"}))
+
+
+def items(request: HttpRequest) -> JsonResponse:
+    return _pid(JsonResponse({"items": [1, 2, 3]}))
+
+
+@ratelimit(SYNC_VIEW, key="header:x-api-key")
+def sync_view(request: HttpRequest) -> JsonResponse:
+    return _pid(
+        JsonResponse({"view": "sync", "decisions": len(getattr(request, "ratekeeper", ()))})
+    )
+
+
+@ratelimit(ASYNC_VIEW, key="header:x-api-key")
+async def async_view(request: HttpRequest) -> JsonResponse:
+    return _pid(
+        JsonResponse({"view": "async", "decisions": len(getattr(request, "ratekeeper", ()))})
+    )
+
+
+class Burst(APIView):
+    """50 per minute by ratekeeper's throttle."""
+
+    throttle_classes: ClassVar[list[type]] = [RatekeeperThrottle]
+    throttle_scope = "burst"
+
+    def get(self, request: Request) -> Response:
+        return Response({"ok": True})
+
+
+class DRFBurst(APIView):
+    """50 per minute by DRF's own ScopedRateThrottle, on the default (Redis) cache."""
+
+    throttle_classes: ClassVar[list[type]] = [ScopedRateThrottle]
+    throttle_scope = "drf-burst"
+
+    def get(self, request: Request) -> Response:
+        return Response({"ok": True})
