@@ -44,8 +44,16 @@ import limits.storage
 import limits.strategies
 import redis
 import redis.utils
-from _measure import HARNESS, TOP_LEVEL, machine_info, server_cpu
-from _server import Server, find_binaries
+from _harness import (
+    Server,
+    commandstats,
+    find_binaries,
+    machine_info,
+    rotations,
+    server_cpu,
+    server_facts,
+    server_time,
+)
 from rich.console import Console
 from rich.table import Table
 
@@ -527,29 +535,19 @@ def run_cost_case(
     made, admitted = case.run(decisions, identities)
     elapsed = time.perf_counter() - start
     cpu = server_cpu(client) - cpu_before
-    stats = client.info("commandstats")
-    commands: dict[str, dict[str, float]] = {}
-    for field, value in stats.items():
-        name = field.removeprefix("cmdstat_")
-        if name in HARNESS:
-            continue
-        commands[name] = {
-            "calls": value["calls"],
-            "usec": value["usec"],
-            "usec_per_call": value["usec_per_call"],
-            "failed_calls": value.get("failed_calls", 0),
-            "rejected_calls": value.get("rejected_calls", 0),
-        }
-    top = {name: c for name, c in commands.items() if name in TOP_LEVEL}
-    top_usec = sum(c["usec"] for c in top.values())
-    top_calls = sum(c["calls"] for c in top.values())
+    commands = commandstats(client)
+    for fields in commands.values():
+        fields["usec_per_call"] = fields["usec"] / fields["calls"] if fields["calls"] else 0.0
+    top_usec, top_calls = server_time(commands)
     return {
         "decisions": made,
         "admitted": admitted,
         "top_level_calls": top_calls,
         "server_usec_per_decision": top_usec / made,
         "server_usec_per_call": top_usec / top_calls if top_calls else None,
-        "failed_calls": sum(c["failed_calls"] + c["rejected_calls"] for c in commands.values()),
+        "failed_calls": sum(
+            c.get("failed_calls", 0.0) + c.get("rejected_calls", 0.0) for c in commands.values()
+        ),
         "client_usec_per_decision": elapsed / made * 1e6,
         "server_cpu_usec_per_decision": cpu / made * 1e6,
         "commands": commands,
@@ -563,9 +561,7 @@ def cost_section(
     identities = [f"user-{i:06d}" for i in range(args.cost_identities)]
     cases = cost_cases(server)
     runs: dict[str, list[dict[str, Any]]] = {case.name: [] for case in cases}
-    for r in range(args.rounds):
-        shift = r * len(cases) // args.rounds
-        order = cases[shift:] + cases[:shift]
+    for r, order in rotations(cases, args.rounds):
         for case in order:
             runs[case.name].append(run_cost_case(client, case, args.decisions, identities))
         shown = ", ".join(
@@ -628,17 +624,13 @@ def cost_section(
 
 
 def server_info(server: Server) -> dict[str, Any]:
-    info = server.client().info("server")
+    client = server.client()
     return {
-        "flavor": server.binary.flavor,
-        "path": server.binary.path,
-        "version": server.binary.version,
-        "redis_version": str(info.get("redis_version")),
-        "valkey_version": str(info["valkey_version"]) if "valkey_version" in info else None,
-        "mem_allocator": str(server.client().info("memory").get("mem_allocator", "")) or None,
-        "zset_max_listpack_entries": server.client().config_get("zset-max-*-entries"),
-        "hash_max_listpack_entries": server.client().config_get("hash-max-*-entries"),
-        "list_max_listpack_size": server.client().config_get("list-max-*-size"),
+        **server_facts(server),
+        "mem_allocator": str(client.info("memory").get("mem_allocator", "")) or None,
+        "zset_max_listpack_entries": client.config_get("zset-max-*-entries"),
+        "hash_max_listpack_entries": client.config_get("hash-max-*-entries"),
+        "list_max_listpack_size": client.config_get("list-max-*-size"),
     }
 
 

@@ -22,7 +22,7 @@ import timeit
 from collections.abc import Callable
 
 import redis
-from _server import Server, find_binary
+from _harness import Server, find_binary
 
 from ratekeeper import Limiter, Policy
 from ratekeeper._core import Call, Core
