@@ -26,6 +26,7 @@ import itertools
 import math
 import os
 import platform
+import shutil
 import statistics
 import subprocess
 import sys
@@ -64,6 +65,7 @@ __all__ = [
     "paired",
     "percentile",
     "pin_clients",
+    "pinned",
     "print_table",
     "rotations",
     "run_case",
@@ -106,6 +108,14 @@ def usable_cpus() -> list[int]:
     if hasattr(os, "sched_getaffinity"):
         return sorted(os.sched_getaffinity(0))
     return list(range(os.cpu_count() or 1))
+
+
+def pinned(command: Sequence[str], cpus: set[int] | None) -> list[str]:
+    """``command`` run under ``taskset`` on ``cpus`` (None, or no taskset: as it is)."""
+    taskset = shutil.which("taskset")
+    if cpus is None or taskset is None:
+        return list(command)
+    return [taskset, "-c", ",".join(map(str, sorted(cpus))), *command]
 
 
 def split_cpus() -> tuple[set[int], set[int]] | None:
@@ -305,6 +315,56 @@ def paired(ours: Sequence[float], theirs: Sequence[float]) -> dict[str, Any]:
     """Per-round ratios ``ours[r] / theirs[r]`` and their spread: rounds pair runs made close
     together in time, so load that comes and goes hits both sides alike."""
     return spread([a / b for a, b in zip(ours, theirs, strict=True)])
+
+
+def ratio_row(
+    label: str,
+    values: Sequence[float],
+    versus: Sequence[float],
+    target: float | None,
+    at_least: bool = True,
+    **extra: Any,
+) -> dict[str, Any]:
+    """One ratio for a report: ``values`` over ``versus``, paired by round, its target (None:
+    shown beside, no target) and whether the median meets it, with the margin."""
+    row: dict[str, Any] = {"goal": label, "target": target, "at_least": at_least, **extra}
+    row["ratio"] = paired(values, versus)
+    if target is not None:
+        margin = (row["ratio"]["median"] - target) / target
+        row["margin"] = margin if at_least else -margin
+        row["passed"] = row["margin"] >= 0
+    return row
+
+
+def verdict(row: dict[str, Any]) -> str:
+    """PASS or MISS by the margin, '(beside)' without a target, 'skipped'."""
+    if "skipped" in row:
+        return "skipped"
+    if row["target"] is None:
+        return "(beside)"
+    word = "PASS" if row["passed"] else "MISS"
+    return f"{word} by {abs(row['margin']):.0%}"
+
+
+#: The columns of :func:`ratio_cells`.
+RATIO_HEADERS = ("ratio (median of per-round ratios)", "measured", "min-max", "target", "result")
+
+
+def ratio_cells(rows: Sequence[dict[str, Any]]) -> list[list[str]]:
+    """Table rows of ratios from :func:`ratio_row`."""
+    cells = []
+    for row in rows:
+        ratio, target = row.get("ratio"), row["target"]
+        cells.append(
+            [
+                row["goal"],
+                "-" if ratio is None else f"{ratio['median']:.2f}",
+                "-" if ratio is None else f"{ratio['min']:.2f}-{ratio['max']:.2f}",
+                "-" if target is None else f"{'>=' if row['at_least'] else '<='} {target:g}",
+                verdict(row),
+            ]
+        )
+    return cells
 
 
 def rotations(items: Sequence[Any], rounds: int) -> Iterator[tuple[int, list[Any]]]:

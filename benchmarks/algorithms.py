@@ -39,21 +39,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import _harness as harness
 import limits
 import limits.storage
 import limits.strategies
 import redis
 import redis.utils
-from _harness import (
-    Server,
-    commandstats,
-    find_binaries,
-    machine_info,
-    rotations,
-    server_cpu,
-    server_facts,
-    server_time,
-)
 from rich.console import Console
 from rich.table import Table
 
@@ -124,7 +115,7 @@ def schedule_for(policy: Policy) -> tuple[Schedule, str]:
 class Filler:
     """Sends the calls ``Limiter.hit``/``acquire`` would send at chosen client times, pipelined."""
 
-    def __init__(self, server: Server) -> None:
+    def __init__(self, server: harness.Server) -> None:
         self.client = named_client(server, FILL_CLIENT)
         self.clock = ManualClock(BASE_TIME)
         self.core = Core(clock=self.clock)
@@ -184,7 +175,7 @@ class Filler:
 FILL_CLIENT = "bench-fill"
 
 
-def named_client(server: Server, name: str) -> redis.Redis:
+def named_client(server: harness.Server, name: str) -> redis.Redis:
     return redis.Redis(host="127.0.0.1", port=server.port, socket_timeout=10, client_name=name)
 
 
@@ -281,7 +272,7 @@ class MemoryBench:
 
 
 def limits_memory_rows(
-    console: Console, bench: MemoryBench, server: Server, many: list[str], few: list[str]
+    console: Console, bench: MemoryBench, server: harness.Server, many: list[str], few: list[str]
 ) -> list[dict[str, Any]]:
     """limits' keys for comparison. The moving window is filled with one hit of cost = limit:
     a list entry is the same timestamp string whether or not the timestamps differ, so this is
@@ -337,7 +328,7 @@ def limits_memory_rows(
 
 
 def memory_section(
-    console: Console, server: Server, args: argparse.Namespace
+    console: Console, server: harness.Server, args: argparse.Namespace
 ) -> dict[str, list[dict[str, Any]]]:
     filler = Filler(server)
     bench = MemoryBench(
@@ -508,7 +499,7 @@ def limits_case(port: int, name: str, spec: str) -> CostCase:
     )
 
 
-def cost_cases(server: Server) -> list[CostCase]:
+def cost_cases(server: harness.Server) -> list[CostCase]:
     cases = []
     for spec in ("100/minute", "10/minute", "100/minute;1000/hour"):
         cases += [ratekeeper_case(server.url, algorithm, spec) for algorithm in WINDOWED]
@@ -530,15 +521,15 @@ def run_cost_case(
     # Warm up on another identity: loads the script (NOSCRIPT, SCRIPT LOAD) before the stats.
     case.run(1, ["warm-up"])
     client.config_resetstat()
-    cpu_before = server_cpu(client)
+    cpu_before = harness.server_cpu(client)
     start = time.perf_counter()
     made, admitted = case.run(decisions, identities)
     elapsed = time.perf_counter() - start
-    cpu = server_cpu(client) - cpu_before
-    commands = commandstats(client)
+    cpu = harness.server_cpu(client) - cpu_before
+    commands = harness.commandstats(client)
     for fields in commands.values():
         fields["usec_per_call"] = fields["usec"] / fields["calls"] if fields["calls"] else 0.0
-    top_usec, top_calls = server_time(commands)
+    top_usec, top_calls = harness.server_time(commands)
     return {
         "decisions": made,
         "admitted": admitted,
@@ -555,13 +546,13 @@ def run_cost_case(
 
 
 def cost_section(
-    console: Console, server: Server, args: argparse.Namespace
+    console: Console, server: harness.Server, args: argparse.Namespace
 ) -> list[dict[str, Any]]:
     client = server.client()
     identities = [f"user-{i:06d}" for i in range(args.cost_identities)]
     cases = cost_cases(server)
     runs: dict[str, list[dict[str, Any]]] = {case.name: [] for case in cases}
-    for r, order in rotations(cases, args.rounds):
+    for r, order in harness.rotations(cases, args.rounds):
         for case in order:
             runs[case.name].append(run_cost_case(client, case, args.decisions, identities))
         shown = ", ".join(
@@ -623,10 +614,10 @@ def cost_section(
 # Reporting.
 
 
-def server_info(server: Server) -> dict[str, Any]:
+def server_info(server: harness.Server) -> dict[str, Any]:
     client = server.client()
     return {
-        **server_facts(server),
+        **harness.server_facts(server),
         "mem_allocator": str(client.info("memory").get("mem_allocator", "")) or None,
         "zset_max_listpack_entries": client.config_get("zset-max-*-entries"),
         "hash_max_listpack_entries": client.config_get("hash-max-*-entries"),
@@ -768,8 +759,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     console = Console(width=max(Console().width, 160))
-    binaries = [b for b in find_binaries() if args.server in ("all", b.flavor)]
-    machine = machine_info(None, "limits")
+    binaries = [b for b in harness.find_binaries() if args.server in ("all", b.flavor)]
+    machine = harness.machine_info(None, "limits")
     console.print(
         f"{machine['cpu_count']} CPUs ({machine['cpu_model']}), Python {machine['python']}, "
         f"ratekeeper {machine['ratekeeper']}, redis-py {machine['redis_py']} "
@@ -782,7 +773,7 @@ def main(argv: list[str] | None = None) -> int:
         title = f"{binary.flavor} {binary.version}"
         console.print(f"[bold]{title}[/bold] ({binary.path})")
         t0 = time.perf_counter()
-        with Server(binary) as server:
+        with harness.Server(binary) as server:
             info = server_info(server)
             memory = memory_section(console, server, args)
             t1 = time.perf_counter()

@@ -68,6 +68,7 @@ import pyrate_limiter
 import redis
 import redis.asyncio
 from _harness import (
+    RATIO_HEADERS,
     Runner,
     Sample,
     Server,
@@ -80,9 +81,10 @@ from _harness import (
     machine_info,
     markdown_table,
     max_load,
-    paired,
     pin_clients,
     print_table,
+    ratio_cells,
+    ratio_row,
     rotations,
     run_case,
     server_facts,
@@ -638,25 +640,15 @@ def evaluate(samples: dict[str, list[Sample]], tasks: int) -> list[dict[str, Any
 
     out = []
     for goal in goals(tasks):
-        row: dict[str, Any] = {
-            "goal": goal.label,
-            "ours": goal.ours,
-            "theirs": goal.theirs,
-            "metric": goal.metric,
-            "target": goal.target,
-            "at_least": goal.at_least,
-        }
+        names = {"ours": goal.ours, "theirs": goal.theirs, "metric": goal.metric}
         if goal.ours not in samples or goal.theirs not in samples:
-            row["skipped"] = "a case was skipped"
-            out.append(row)
+            out.append(
+                {"goal": goal.label, "target": goal.target, "at_least": goal.at_least,
+                 "skipped": "a case was skipped", **names}
+            )  # fmt: skip
             continue
-        row["ratio"] = paired(series(goal.ours, goal.metric), series(goal.theirs, goal.metric))
-        if goal.target is not None:
-            value = row["ratio"]["median"]
-            margin = (value - goal.target) / goal.target
-            row["margin"] = margin if goal.at_least else -margin
-            row["passed"] = row["margin"] >= 0
-        out.append(row)
+        ours, theirs = series(goal.ours, goal.metric), series(goal.theirs, goal.metric)
+        out.append(ratio_row(goal.label, ours, theirs, goal.target, goal.at_least, **names))
     return out
 
 
@@ -672,7 +664,6 @@ CASE_HEADERS = (
     "scripts/decision",
     "admitted",
 )
-GOAL_HEADERS = ("ratio (median of per-round ratios)", "measured", "min-max", "target", "result")
 
 
 def case_rows(summary: dict[str, Any]) -> list[list[str]]:
@@ -693,31 +684,6 @@ def case_rows(summary: dict[str, Any]) -> list[list[str]]:
             ]
         )
     return rows
-
-
-def goal_rows(results: list[dict[str, Any]]) -> list[list[str]]:
-    rows = []
-    for row in results:
-        ratio, target = row.get("ratio"), row["target"]
-        rows.append(
-            [
-                row["goal"],
-                "-" if ratio is None else f"{ratio['median']:.2f}",
-                "-" if ratio is None else f"{ratio['min']:.2f}-{ratio['max']:.2f}",
-                "-" if target is None else f"{'>=' if row['at_least'] else '<='} {target:g}",
-                verdict(row),
-            ]
-        )
-    return rows
-
-
-def verdict(row: dict[str, Any]) -> str:
-    if "skipped" in row:
-        return "skipped"
-    if row["target"] is None:
-        return "(beside)"
-    word = "PASS" if row["passed"] else "MISS"
-    return f"{word} by {abs(row['margin']):.0%}"
 
 
 FAMILY_COLORS = {
@@ -864,7 +830,7 @@ def middleware_lines(path: Path) -> list[str]:
         ],
     )  # fmt: skip
     lines += ["", *[f"- {note}" for note in data.get("notes", [])], ""]
-    lines += markdown_table(GOAL_HEADERS, goal_rows(data["goals"]))
+    lines += markdown_table(RATIO_HEADERS, ratio_cells(data["goals"]))
     return [*lines, ""]
 
 
@@ -911,7 +877,7 @@ def render_markdown(results: dict[str, Any], chart_name: str) -> str:
         "",
         "## Ratios",
         "",
-        *markdown_table(GOAL_HEADERS, goal_rows(results["goals"])),
+        *markdown_table(RATIO_HEADERS, ratio_cells(results["goals"])),
         "",
         "## Results",
         "",
@@ -1041,7 +1007,7 @@ def main(argv: list[str] | None = None) -> int:
                 [*CASE_HEADERS, "other load CPU (max)"],
                 [[*row, f"{max_load(samples[name]) or 0:.2f}"]
                  for row, name in zip(case_rows(summary), summary, strict=True)])  # fmt: skip
-    print_table(out, "ratios: medians of per-round ratios", GOAL_HEADERS, goal_rows(ratios))
+    print_table(out, "ratios: medians of per-round ratios", RATIO_HEADERS, ratio_cells(ratios))
     cpu1 = machine_cpu()
     results: dict[str, Any] = {
         "benchmark": "compare",
