@@ -46,7 +46,6 @@ import limits.strategies
 import redis
 import redis.utils
 from rich.console import Console
-from rich.table import Table
 
 from ratekeeper import Limiter, ManualClock, Policy
 from ratekeeper._algorithms import ALGORITHMS
@@ -626,20 +625,8 @@ def server_info(server: harness.Server) -> dict[str, Any]:
 
 
 def print_memory(console: Console, title: str, memory: dict[str, list[dict[str, Any]]]) -> None:
-    table = Table(title=f"{title}: memory per identity (bytes)")
-    for header, justify in (
-        ("algorithm", "left"), ("policy", "left"), ("fill", "left"), ("ids", "right"),
-        ("MEMORY USAGE\nmean", "right"), ("min-max", "right"), ("used_memory\ndelta", "right"),
-        ("encoding", "left"), ("B/unit of limit", "right"),
-    ):  # fmt: skip
-        table.add_column(header, justify=justify)  # type: ignore[arg-type]
-    for row in memory["single_rate"]:
-        per_unit = (
-            f"{row['memory_usage_mean'] / row['limit']:.1f}"
-            if row["algorithm"] in ("sliding_log", "limits MovingWindow")
-            else "-"
-        )
-        table.add_row(
+    rows = [
+        [
             row["algorithm"],
             row["policy"],
             row["fill"],
@@ -648,19 +635,22 @@ def print_memory(console: Console, title: str, memory: dict[str, list[dict[str, 
             f"{row['memory_usage_min']:,}-{row['memory_usage_max']:,}",
             f"{row['used_memory_delta_per_identity']:,.0f}",
             row["encoding"],
-            per_unit,
-        )
-    console.print(table)
-
-    table = Table(title=f"{title}: two-rate policy, bytes per identity per rate")
-    for header in (
-        "algorithm", "1 rate: 10/minute", "2 rates: 10/minute;100/hour", "per rate (2-rate / 2)",
-        "2nd rate adds", "used_memory delta (1 / 2 rates)",
-    ):  # fmt: skip
-        table.add_column(header, justify="left" if header == "algorithm" else "right")
-    rows = memory["two_rate"]
-    for one, two in zip(rows[::2], rows[1::2], strict=True):
-        table.add_row(
+            f"{row['memory_usage_mean'] / row['limit']:.1f}"
+            if row["algorithm"] in ("sliding_log", "limits MovingWindow")
+            else "-",
+        ]
+        for row in memory["single_rate"]
+    ]
+    harness.print_table(
+        console,
+        f"{title}: memory per identity (bytes)",
+        ("algorithm", "policy", "fill", "ids", "MEMORY USAGE\nmean", "min-max",
+         "used_memory\ndelta", "encoding", "B/unit of limit"),
+        rows,
+    )  # fmt: skip
+    pairs = zip(memory["two_rate"][::2], memory["two_rate"][1::2], strict=True)
+    rows = [
+        [
             one["algorithm"],
             f"{one['memory_usage_mean']:,.0f}",
             f"{two['memory_usage_mean']:,.0f}",
@@ -668,38 +658,38 @@ def print_memory(console: Console, title: str, memory: dict[str, list[dict[str, 
             f"{two['memory_usage_mean'] - one['memory_usage_mean']:,.0f}",
             f"{one['used_memory_delta_per_identity']:,.0f} / "
             f"{two['used_memory_delta_per_identity']:,.0f}",
-        )
-    console.print(table)
-
-    table = Table(title=f"{title}: concurrency, memory per identity with k leases held")
-    for header in ("leases held", "ids", "MEMORY USAGE mean", "per lease", "used_memory delta",
-                   "encoding"):  # fmt: skip
-        table.add_column(header, justify="right")
-    for row in memory["leases"]:
-        table.add_row(
+        ]
+        for one, two in pairs
+    ]
+    harness.print_table(
+        console,
+        f"{title}: two-rate policy, bytes per identity per rate",
+        ("algorithm", "1 rate: 10/minute", "2 rates: 10/minute;100/hour", "per rate (2-rate / 2)",
+         "2nd rate adds", "used_memory delta (1 / 2 rates)"),
+        rows,
+    )  # fmt: skip
+    rows = [
+        [
             str(row["leases"]),
             str(row["identities"]),
             f"{row['memory_usage_mean']:,.0f}",
             f"{row['memory_usage_mean'] / row['leases']:,.1f}",
             f"{row['used_memory_delta_per_identity']:,.0f}",
             row["encoding"],
-        )
-    console.print(table)
+        ]
+        for row in memory["leases"]
+    ]
+    harness.print_table(
+        console,
+        f"{title}: concurrency, memory per identity with k leases held",
+        ("leases held", "ids", "MEMORY USAGE mean", "per lease", "used_memory delta", "encoding"),
+        rows,
+    )
 
 
 def print_cost(console: Console, title: str, cost: list[dict[str, Any]], args: Any) -> None:
-    table = Table(
-        title=(
-            f"{title}: server time per decision (INFO commandstats), {args.decisions:,} decisions "
-            f"over {args.cost_identities:,} identities, median of {args.rounds} rounds"
-        )
-    )
-    for header in ("case", "admitted", "server us/decision\nmedian", "min-max",
-                   "EVALSHA per\ndecision", "us per\nEVALSHA",
-                   "server CPU\nus/decision", "client wall\nus/decision"):  # fmt: skip
-        table.add_column(header, justify="left" if header == "case" else "right")
-    for row in cost:
-        table.add_row(
+    rows = [
+        [
             row["case"],
             f"{row['admitted_fraction']:.0%}",
             f"{row['server_usec_per_decision_median']:.2f}",
@@ -708,26 +698,34 @@ def print_cost(console: Console, title: str, cost: list[dict[str, Any]], args: A
             f"{row['server_usec_per_call_median']:.2f}",
             f"{row['server_cpu_usec_per_decision_median']:.0f}",
             f"{row['client_usec_per_decision_median']:.0f}",
-        )
-    console.print(table)
-
-    table = Table(
-        title=(
-            f"{title}: commands per decision x us each (all rounds); the ones inside a script "
-            "are part of its EVALSHA time"
-        )
-    )
-    table.add_column("case")
-    table.add_column("commands")
-    for row in cost:
-        table.add_row(
+        ]
+        for row in cost
+    ]
+    harness.print_table(
+        console,
+        f"{title}: server time per decision (INFO commandstats), {args.decisions:,} decisions "
+        f"over {args.cost_identities:,} identities, median of {args.rounds} rounds",
+        ("case", "admitted", "server us/decision\nmedian", "min-max", "EVALSHA per\ndecision",
+         "us per\nEVALSHA", "server CPU\nus/decision", "client wall\nus/decision"),
+        rows,
+    )  # fmt: skip
+    rows = [
+        [
             row["case"],
             ", ".join(
                 f"{name} {c['calls_per_decision']:.2g}x{c['usec_per_call']:.2f}"
                 for name, c in row["commands"].items()
             ),
-        )
-    console.print(table)
+        ]
+        for row in cost
+    ]
+    harness.print_table(
+        console,
+        f"{title}: commands per decision x us each (all rounds); the ones inside a script are "
+        "part of its EVALSHA time",
+        ("case", "commands"),
+        rows,
+    )
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -758,7 +756,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    console = Console(width=max(Console().width, 160))
+    console = harness.console()
     binaries = [b for b in harness.find_binaries() if args.server in ("all", b.flavor)]
     machine = harness.machine_info(None, "limits")
     console.print(
