@@ -492,7 +492,7 @@ def test_keys_have_one_hash_tag(make_limiter: MakeLimiter, key_prefix: str) -> N
         (key,) = limiter.keys(policy, identity)
         assert key.count("{") == key.count("}") == 1
         tag = KeyBuilder(key_prefix).tag("tagged", identity)
-        assert key == f"{key_prefix}:tagged:{{{tag}}}:log"
+        assert key == f"{key_prefix}:tagged:{{{tag}}}:times"
 
 
 def test_key_lives_its_longest_window_plus_a_margin(
