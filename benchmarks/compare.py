@@ -32,7 +32,7 @@ fraction admitted; then the ratios against the floors and peers, each the median
 ratios. The middleware section of the page comes from ``benchmarks/asgi_middleware.py``'s last
 results (``benchmarks/results/asgi_middleware.json``), if any.
 
-Run: ``python benchmarks/compare.py [--seconds 2] [--rounds 5] [--quick] [--out DIR]``
+Run: ``python benchmarks/compare.py [--seconds 1] [--rounds 9] [--quick] [--out DIR]``
 Writes ``docs/performance.md``, ``docs/performance.png`` and ``benchmarks/results/compare.json``
 (``--quick``: a short smoke run into a temporary directory unless ``--out`` is given).
 """
@@ -857,8 +857,8 @@ def render_markdown(results: dict[str, Any], chart_name: str) -> str:
         "",
         "## Set-up",
         "",
-        f"One private server on loopback, pinned to one core; this process and `redis-benchmark` "
-        f"on the other ({m.get('pinning', 'not pinned')}). The machine is shared and noisy "
+        f"One private server on loopback; {m.get('pinning', 'not pinned')}: this process and "
+        "`redis-benchmark` never share the server's core. The machine is shared and noisy "
         "(other jobs, including test suites, ran on both cores during these runs), so "
         "absolute numbers move from run to run; the rounds interleave every case and every "
         f"ratio is the median of per-round ratios. Each of {cfg['rounds']} round(s) runs every "
@@ -919,8 +919,8 @@ def render_markdown(results: dict[str, Any], chart_name: str) -> str:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    parser.add_argument("--seconds", type=float, help="seconds per case per round (default 2)")
-    parser.add_argument("--rounds", type=int, help="rounds (default 5)")
+    parser.add_argument("--seconds", type=float, help="seconds per case per round (default 1)")
+    parser.add_argument("--rounds", type=int, help="rounds (default 9)")
     parser.add_argument("--warmup", type=float, help="seconds per case, discarded (default 0.5)")
     parser.add_argument("--identities", type=int, default=10_000)
     parser.add_argument("--tasks", type=int, default=64, help="asyncio tasks of async cases")
@@ -931,7 +931,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--out", type=Path, help="directory for the .md, .png and .json")
     args = parser.parse_args(argv)
     quick = args.quick
-    for name, full, short in (("seconds", 2.0, 0.3), ("rounds", 5, 1), ("warmup", 0.5, 0.1)):
+    for name, full, short in (("seconds", 1.0, 0.3), ("rounds", 9, 1), ("warmup", 0.5, 0.1)):
         if getattr(args, name) is None:
             setattr(args, name, short if quick else full)
     if args.seconds <= 0 or args.rounds < 1 or args.warmup < 0:
