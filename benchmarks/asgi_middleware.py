@@ -238,17 +238,16 @@ def process_cpu(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / TICK
 
 
-def drained(admin: redis.Redis, pid: int) -> None:
+def drained(pid: int) -> None:
     """Wait until the app server has finished what wrk left in flight (it keeps working on a
-    loaded machine after wrk stops): until its CPU time stops growing, at most 5 s. Its calls
-    then count to this run, not the next."""
-    deadline = time.monotonic() + 5
-    before = process_cpu(pid)
-    while time.monotonic() < deadline:
+    loaded machine after wrk stops): until its CPU time has not grown for 0.3 s, at most 10 s.
+    Its calls then count to this run, not the next."""
+    deadline = time.monotonic() + 10
+    before, still = process_cpu(pid), 0
+    while time.monotonic() < deadline and still < 3:
         time.sleep(0.1)
         now = process_cpu(pid)
-        if now == before:
-            return
+        still = still + 1 if now == before else 0
         before = now
 
 
@@ -267,7 +266,7 @@ def run_once(
         load(wrk, port, args, args.seconds, cpus)
     )
     busy1 = machine_cpu()
-    drained(admin, pid)
+    drained(pid)
     cpu1 = process_cpu(pid)
     usec, calls = server_time(commandstats(admin))
     return Run(
@@ -353,6 +352,29 @@ def summarize_runs(runs: dict[str, list[Run]]) -> tuple[dict[str, Any], list[dic
     return cases, goals
 
 
+def case_table(cases: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
+    """The cases as a table (headers, rows): printed here, and rendered into
+    docs/performance.md by compare.py from the results file."""
+    headers = ["case", "requests/s", "min-max", "/ bare", "uvicorn CPU us/request",
+               "bare's CPU / this", "p50 ms", "p99 ms", "scripts/request", "non-2xx"]  # fmt: skip
+    rows = [
+        [
+            f"`{name}`",
+            f"{c['requests_per_s']['median']:,.0f}",
+            f"{c['requests_per_s']['min']:,.0f}-{c['requests_per_s']['max']:,.0f}",
+            f"{c['vs_bare']['median']:.2f}",
+            f"{c['app_cpu_us_per_request']['median']:.0f}",
+            f"{c['cpu_vs_bare']['median']:.2f}",
+            f"{c['latency_ms']['p50']:.2f}",
+            f"{c['latency_ms']['p99']:.2f}",
+            f"{c['script_calls_per_request']:.3f}",
+            f"{c['statuses']['other']:,}",
+        ]
+        for name, c in cases.items()
+    ]
+    return headers, rows
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--seconds", type=int, default=3, help="seconds per case per round")
@@ -409,9 +431,10 @@ def main(argv: list[str] | None = None) -> int:
             for variant, port in ports.items():
                 wait_until_serving(port, procs[variant])
             out.print(f"{pinning}; warming up {len(VARIANTS)} servers for {args.warmup:g} s each")
-            for port in ports.values():
+            for variant, port in ports.items():
                 reset(admin)
                 load(wrk, port, args, args.warmup, load_cpus)
+                drained(procs[variant].pid)
             for r, order in rotations(list(VARIANTS), args.rounds):
                 for variant in order:
                     run = run_once(admin, wrk, ports[variant], procs[variant].pid, args, load_cpus)
@@ -429,32 +452,9 @@ def main(argv: list[str] | None = None) -> int:
             admin.close()
 
     cases, goals = summarize_runs(runs)
+    headers, rows = case_table(cases)
     print_table(
-        out,
-        f"uvicorn + wrk -c{args.connections}: requests/s, median of {args.rounds} rounds",
-        (
-            "case",
-            "requests/s",
-            "min-max",
-            "/ bare",
-            "uvicorn CPU us/request",
-            "p50 ms",
-            "p99 ms",
-            "scripts/request",
-        ),
-        [
-            [
-                name,
-                f"{c['requests_per_s']['median']:,.0f}",
-                f"{c['requests_per_s']['min']:,.0f}-{c['requests_per_s']['max']:,.0f}",
-                f"{c['vs_bare']['median']:.2f}",
-                f"{c['app_cpu_us_per_request']['median']:.0f}",
-                f"{c['latency_ms'].get('p50', 0):.2f}",
-                f"{c['latency_ms'].get('p99', 0):.2f}",
-                f"{c['script_calls_per_request']:.3f}",
-            ]
-            for name, c in cases.items()
-        ],
+        out, f"uvicorn + wrk -c{args.connections}: medians of {args.rounds} rounds", headers, rows
     )
     print_table(out, "ratios to the bare app", RATIO_HEADERS, ratio_cells(goals))
     for problem in problems:
@@ -487,6 +487,7 @@ def main(argv: list[str] | None = None) -> int:
             "wall_seconds": time.monotonic() - started,
         },
         "cases": cases,
+        "table": dict(zip(("headers", "rows"), case_table(cases), strict=True)),
         "goals": goals,
         "notes": [
             "`ratekeeper/admitted`: `RateLimitMiddleware` with `sliding_window` at "

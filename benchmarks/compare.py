@@ -693,38 +693,63 @@ FAMILY_COLORS = {
     "floor": "#7f7f7f",
     "raw": "#bcbd22",
     "deny_cache": "#9467bd",
+    "web": "#17becf",
 }
 
 
-def draw_chart(path: Path, summary: dict[str, Any], title: str) -> None:
+def draw_chart(
+    path: Path, summary: dict[str, Any], title: str, middleware: dict[str, Any] | None
+) -> None:
     """Horizontal bars of median decisions/s per case (min-max whiskers); the deny-cache pair,
-    local answers orders of magnitude faster, on its own log-scale panel."""
+    local answers orders of magnitude faster, on its own log-scale panel; the middleware's
+    requests/s under uvicorn and wrk on a third, when its results are there."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from matplotlib.ticker import StrMethodFormatter
 
-    main = [n for n, s in summary.items() if s["family"] != "deny_cache"]
-    deny = [n for n, s in summary.items() if s["family"] == "deny_cache"]
+    panels: list[tuple[list[str], dict[str, Any], str, bool]] = [
+        (
+            [n for n, s in summary.items() if s["family"] != "deny_cache"],
+            {n: s["decisions_per_s"] for n, s in summary.items()},
+            "decisions/s (median over rounds; whiskers: min-max)",
+            False,
+        ),
+        (
+            [n for n, s in summary.items() if s["family"] == "deny_cache"],
+            {n: s["decisions_per_s"] for n, s in summary.items()},
+            "hits/s of one spent identity (log scale)",
+            True,
+        ),
+    ]
+    if middleware is not None:
+        cases = middleware["cases"]
+        panels.append(
+            (
+                [f"uvicorn/{n}" for n in cases],
+                {f"uvicorn/{n}": c["requests_per_s"] for n, c in cases.items()},
+                f"requests/s, uvicorn + {middleware['config']['load'].strip('`')}",
+                False,
+            )
+        )
+    panels = [p for p in panels if p[0]]
     fig, axes = plt.subplots(
-        2 if deny else 1,
+        len(panels),
         1,
-        figsize=(10, 0.34 * (len(main) + len(deny)) + 2.2),
-        gridspec_kw={"height_ratios": [len(main), max(len(deny), 1) + 0.6]} if deny else None,
+        figsize=(10, 0.34 * sum(len(p[0]) for p in panels) + 1.2 * len(panels) + 1),
+        gridspec_kw={"height_ratios": [len(p[0]) + 0.6 for p in panels]},
         squeeze=False,
     )
-    for ax, names, log in ((axes[0][0], main, False), (axes[-1][0], deny, True)):
-        if not names or (log and not deny):
-            continue
-        medians = [summary[n]["decisions_per_s"]["median"] for n in names]
-        lows = [
-            m - summary[n]["decisions_per_s"]["min"] for m, n in zip(medians, names, strict=True)
+    for (names, values, label, log), row in zip(panels, axes, strict=True):
+        ax = row[0]
+        medians = [values[n]["median"] for n in names]
+        lows = [m - values[n]["min"] for m, n in zip(medians, names, strict=True)]
+        highs = [values[n]["max"] - m for m, n in zip(medians, names, strict=True)]
+        colors = [
+            FAMILY_COLORS[summary[n]["family"]] if n in summary else FAMILY_COLORS["web"]
+            for n in names
         ]
-        highs = [
-            summary[n]["decisions_per_s"]["max"] - m for m, n in zip(medians, names, strict=True)
-        ]
-        colors = [FAMILY_COLORS[summary[n]["family"]] for n in names]
         y = range(len(names))
         ax.barh(y, medians, xerr=[lows, highs], color=colors, capsize=2, ecolor="#555555")
         ax.set_yticks(list(y), names, fontsize=8)
@@ -733,10 +758,9 @@ def draw_chart(path: Path, summary: dict[str, Any], title: str) -> None:
             ax.text(m + high, i, f"  {m:,.0f}", va="center", fontsize=7)
         if log:
             ax.set_xscale("log")
-            ax.set_xlabel("hits/s of one spent identity (log scale)")
         else:
-            ax.set_xlabel("decisions/s (median over rounds; whiskers: min-max)")
             ax.xaxis.set_major_formatter(StrMethodFormatter("{x:,.0f}"))
+        ax.set_xlabel(label)
         ax.margins(x=0.15)
         ax.grid(axis="x", alpha=0.3)
     axes[0][0].set_title(title, fontsize=9)
@@ -791,12 +815,17 @@ def machine_lines(m: dict[str, Any]) -> list[str]:
     )  # fmt: skip
 
 
-def middleware_lines(path: Path) -> list[str]:
-    """The section from ``asgi_middleware.py``'s last results, if there are any."""
+def middleware_results(path: Path) -> dict[str, Any] | None:
+    """``asgi_middleware.py``'s last results, if there are any (in the current format)."""
     if not path.exists():
-        return []
-    data = json.loads(path.read_text())
-    if "load" not in data.get("config", {}):  # an older format
+        return None
+    data: dict[str, Any] = json.loads(path.read_text())
+    return data if "table" in data else None
+
+
+def middleware_lines(data: dict[str, Any] | None) -> list[str]:
+    """The page's section on the middleware under uvicorn and wrk."""
+    if data is None:
         return []
     m = data["machine"]
     cfg = data["config"]
@@ -808,27 +837,11 @@ def middleware_lines(path: Path) -> list[str]:
         f"{' + uncommitted changes' if m.get('ratekeeper_src_uncommitted_changes') else ''}): "
         f"{cfg['app']}, served by {cfg['server']}, loaded by {cfg['load']}; "
         f"{cfg['rounds']} rounds of {cfg['seconds_per_case']:g} s per case in rotating order; "
-        f"{m.get('pinning', '')}. Requests/s are wrk's; ratios are medians of per-round "
-        "ratios to the bare app.",
+        f"{m.get('pinning', '')}. Requests/s are wrk's; uvicorn's CPU per request is read "
+        "from /proc; ratios are medians of per-round ratios to the bare app.",
         "",
     ]
-    lines += markdown_table(
-        ("case", "requests/s (median)", "min-max", "/ bare app", "min-max", "p50 ms", "p99 ms",
-         "statuses"),
-        [
-            [
-                f"`{name}`",
-                f"{c['requests_per_s']['median']:,.0f}",
-                f"{c['requests_per_s']['min']:,.0f}-{c['requests_per_s']['max']:,.0f}",
-                f"{c['vs_bare']['median']:.2f}",
-                f"{c['vs_bare']['min']:.2f}-{c['vs_bare']['max']:.2f}",
-                f"{c['latency_ms']['p50']:.2f}",
-                f"{c['latency_ms']['p99']:.2f}",
-                ", ".join(f"{k}: {v:,}" for k, v in sorted(c["statuses"].items())),
-            ]
-            for name, c in data["cases"].items()
-        ],
-    )  # fmt: skip
+    lines += markdown_table(data["table"]["headers"], data["table"]["rows"])
     lines += ["", *[f"- {note}" for note in data.get("notes", [])], ""]
     lines += markdown_table(RATIO_HEADERS, ratio_cells(data["goals"]))
     return [*lines, ""]
@@ -889,7 +902,7 @@ def render_markdown(results: dict[str, Any], chart_name: str) -> str:
         lines.append(f"| `{name}` | skipped: {reason} | | | | | | |")
     if any(not s["latency_us"]["source"].startswith("per call") for s in results["cases"].values()):
         lines += ["", "\\* redis-benchmark's own latency per request."]
-    lines += ["", *middleware_lines(MIDDLEWARE_RESULTS)]
+    lines += ["", *middleware_lines(results.get("middleware"))]
     worst, steal = (
         max((v or 0.0 for s in results["cases"].values() for v in s[key]), default=0.0)
         for key in ("foreign_load_cpus_per_round", "steal_cpus_per_round")
@@ -1040,6 +1053,7 @@ def main(argv: list[str] | None = None) -> int:
         "cases": summary,
         "skipped": skipped,
         "goals": ratios,
+        "middleware": middleware_results(MIDDLEWARE_RESULTS),
     }
     for path in (markdown, chart, raw):
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -1048,7 +1062,7 @@ def main(argv: list[str] | None = None) -> int:
         f"ratekeeper {ratekeeper.__version__} vs floors and peers, {server_info['flavor']} "
         f"{server_info['version']}, {os.cpu_count()} cores, {results['created']}"
     )
-    draw_chart(chart, summary, title)
+    draw_chart(chart, summary, title, results["middleware"])
     markdown.write_text(render_markdown(results, chart.name))
     out.print(f"wrote {markdown}, {chart} and {raw}")
     return 0
