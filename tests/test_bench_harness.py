@@ -51,3 +51,30 @@ def test_paired_ratios_and_rotations(harness: ModuleType) -> None:
     assert (ratio["median"], ratio["min"], ratio["max"]) == (2.0, 1.0, 3.0)
     orders = [order for _, order in harness.rotations(["a", "b", "c"], 4)]
     assert orders == [["a", "b", "c"], ["b", "c", "a"], ["c", "a", "b"], ["a", "b", "c"]]
+
+
+WRK_OUTPUT = """\
+Running 1s test @ http://127.0.0.1:18777/
+  1 threads and 4 connections
+  Thread Stats   Avg      Stdev     Max   +/- Stdev
+    Latency     4.49ms    4.78ms  47.61ms   89.85%
+    Req/Sec     1.09k   315.50     1.43k    70.00%
+  Latency Distribution
+     50%  812.00us
+     75%    5.12ms
+     90%    9.32ms
+     99%    1.02s
+  1092 requests in 1.01s, 554.53KB read
+  Socket errors: connect 0, read 2, write 0, timeout 1
+  Non-2xx or 3xx responses: 1090
+Requests/sec:   1080.95
+Transfer/sec:    548.92KB
+"""
+
+
+def test_wrk_output_is_read_in_milliseconds(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    asgi_middleware = importlib.import_module("asgi_middleware")
+    requests, seconds, rate, non_2xx, errors, latency = asgi_middleware.parse_wrk(WRK_OUTPUT)
+    assert (requests, seconds, rate, non_2xx, errors) == (1092, 1.01, 1080.95, 1090, 3)
+    assert latency == pytest.approx({"p50": 0.812, "p75": 5.12, "p90": 9.32, "p99": 1020.0})
