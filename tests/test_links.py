@@ -143,7 +143,9 @@ def test_a_wrong_password_is_a_store_failure(
     caught, opened = asyncio.run(main())
     assert isinstance(caught, StorageUnavailable)
     assert isinstance(caught.__cause__, redis.AuthenticationError)
-    assert opened.allowed and opened.degraded and opened.reason == "unavailable/open"
+    assert opened.allowed
+    assert opened.degraded
+    assert opened.reason == "unavailable/open"
 
 
 @pytest.fixture
@@ -175,7 +177,8 @@ def test_a_unix_socket(unix_server: tuple[RedisServer, str], batching: bool) -> 
     decisions, key = asyncio.run(main())
     assert sum(d.allowed for d in decisions) == 10
     with redis.Redis(port=server.port, db=2) as in_db_2, server.client() as in_db_0:
-        assert in_db_2.exists(key) and not in_db_0.exists(key)
+        assert in_db_2.exists(key)
+        assert not in_db_0.exists(key)
 
 
 def _tls_server(binary: ServerBinary, directory: Path) -> tuple[subprocess.Popen[bytes], int]:
@@ -227,7 +230,8 @@ def test_tls(binaries: list[ServerBinary], batching: bool) -> None:
             **PATIENT,
         ) as limiter:
             links = _links(limiter)
-            assert links is not None and links.ssl is not None
+            assert links is not None
+            assert links.ssl is not None
             decisions = await _hits(limiter, policy, "a", 12)
             encrypted = all(
                 link.transport is not None and link.transport.get_extra_info("sslcontext")
@@ -284,7 +288,9 @@ def test_a_lost_link_fails_exactly_its_own_calls_never_sent_again(
         results, after, lanes = asyncio.run(main(proxy))
     lost = [i for i, r in enumerate(results) if isinstance(r, StorageUnavailable)]
     kept = [i for i, r in enumerate(results) if isinstance(r, Decision)]
-    assert len(lost) == lanes[0] and len(kept) == lanes[1] and len(lost) + len(kept) == len(who)
+    assert len(lost) == lanes[0]
+    assert len(kept) == lanes[1]
+    assert len(lost) + len(kept) == len(who)
     assert all(results[i].remaining == 99 for i in kept)  # type: ignore[union-attr]
     # Every call ran exactly once, the lost ones too (written before the link was lost).
     assert [d.remaining for d in after] == [99] * len(who)
