@@ -43,17 +43,17 @@
 -- cannot; the reference bisects every window.
 -- now, cost, peek, n and key come from _prelude.lua.
 
-local READ = 2  -- the newest READ entries: indexes -READ to -1
-local got = redis.call('LRANGE', key, -READ, -1)
+local READ, FROM = 2, '-2'  -- the newest READ entries: indexes FROM to -1
+local got = redis.call('LRANGE', key, FROM, '-1')
 local m = #got
 local whole = m < READ
 for j = 1, m do got[j] = got[j] + 0 end
 local first = got[1]  -- the oldest entry read
 local len = nil  -- the log's length (LLEN), read only when a window needs a search
-local seen = {}  -- index -> time, of the entries LINDEX read
+local seen = nil  -- index -> time, of the entries LINDEX read (made when a search starts)
 
 -- Per rate i, rates[3i - 2 .. 3i] = limit, window, and the count of entries in the window.
-local rates = {}
+local rates = {0, 0, 0}
 local maxwindow = 0
 for i = 1, n do
   local window = ARGV[6 + 2 * i] + 0
@@ -67,39 +67,41 @@ for i = 1, n do
   local limit, window = rates[3 * i - 2], rates[3 * i - 1]
   -- The window holds the entries with time > now - window (times are whole microseconds).
   local edge = now - window
-  local count, out  -- out: how many entries have left this window
+  local count, out  -- out: how many entries have left this window (are older than it)
   if whole or first <= edge then
     local j = m
     while j > 0 and got[j] > edge do j = j - 1 end
     count, out = m - j, j
   else
     -- The READ newest are inside: the first entry inside is at an index in [lo, hi].
-    if len == nil then len = redis.call('LLEN', key) end
+    if len == nil then len, seen = redis.call('LLEN', key), {} end
     local lo, hi = 0, len - m
-    local longest, step = window == maxwindow, 1
+    -- Gallop (gaps 0, 1, 3, 7, ...) from the head for the longest window, else from the tail,
+    -- until the first entry inside is bracketed; then bisect (gap = -1).
+    local longest, gap = window == maxwindow, 0
     while lo < hi do
       local p
-      if step > 0 then  -- galloping: from the head for the longest window, else the tail
-        if longest then p = lo + step - 1 else p = hi - step end
+      if gap >= 0 then
+        if longest then p = lo + gap else p = hi - 1 - gap end
         if p < lo or p >= hi then
-          step, p = 0, math.floor((lo + hi) / 2)
+          gap, p = -1, math.floor((lo + hi) / 2)
         else
-          step = step * 2
+          gap = 2 * gap + 1
         end
-      else  -- bisecting
+      else
         p = math.floor((lo + hi) / 2)
       end
       local t = seen[p]
       if t == nil then
-        t = redis.call('LINDEX', key, p) + 0
+        t = redis.call('LINDEX', key, string.format('%d', p)) + 0
         seen[p] = t
       end
       if t > edge then
         hi = p
-        if longest then step = 0 end
+        if longest then gap = -1 end
       else
         lo = p + 1
-        if not longest then step = 0 end
+        if not longest then gap = -1 end
       end
     end
     count, out = len - lo, lo
@@ -113,7 +115,7 @@ local consume = allowed and not peek
 -- The newest entry; when this call adds entries, the time they take (never older than it).
 local last = got[m]
 if consume and (last == nil or now > last) then last = now end
-local reply = {allowed and 1 or 0}
+local reply = {allowed and 1 or 0, 0, 0, 0}
 for i = 1, n do
   local limit, window, count = rates[3 * i - 2], rates[3 * i - 1], rates[3 * i]
   local used = count
@@ -132,7 +134,7 @@ for i = 1, n do
         at = got[m - r]
       else
         if len ~= nil then at = seen[len - 1 - r] end
-        if at == nil then at = redis.call('LINDEX', key, -r - 1) + 0 end
+        if at == nil then at = redis.call('LINDEX', key, string.format('%d', -r - 1)) + 0 end
       end
       retry = at + window - now
     end
