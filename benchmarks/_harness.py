@@ -46,6 +46,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 import ratekeeper  # noqa: E402
+from ratekeeper._bench import _never_open  # noqa: E402
 from tests.servers import RedisServer, ServerBinary, find_binaries  # noqa: E402
 
 __all__ = [
@@ -72,6 +73,7 @@ __all__ = [
     "server_cpu",
     "server_time",
     "spread",
+    "store_only",
     "sync_loop",
 ]
 
@@ -187,6 +189,22 @@ def server_facts(server: Server) -> dict[str, Any]:
         "valkey_version": str(info["valkey_version"]) if "valkey_version" in info else None,
         "cpus": None if server.cpus is None else sorted(server.cpus),
     }
+
+
+def store_only(*, deny_cache: bool = False) -> dict[str, Any]:
+    """Limiter options under which every decision comes from the store: errors raise (never an
+    invented decision), a 10 s timeout (a shared machine has stalled loopback calls past 2 s) and
+    a circuit breaker that never opens (``ratekeeper bench``'s), so a loaded machine's slow calls
+    are not answered locally; no deny cache unless ``deny_cache``."""
+    options: dict[str, Any] = {
+        "failure_mode": "raise",
+        "timeout": 10.0,
+        "connect_timeout": 10.0,
+        "breaker": _never_open(),
+    }
+    if not deny_cache:
+        options["deny_cache"] = 0
+    return options
 
 
 # --- machine -----------------------------------------------------------------------------------

@@ -429,19 +429,13 @@ class _Fresh:
         self.limiter.close()
 
 
-#: Every decision goes to the store (no local deny cache: each decision is one EVALSHA, as with
-#: limits), errors raise instead of being decided by a failure mode, and a loaded 2-core machine
-#: does not trip the 20 ms default timeout.
-MEASURED = {"deny_cache": 0, "failure_mode": "raise", "timeout": 2.0, "connect_timeout": 2.0}
+# Every decision goes to the store (harness.store_only: no local deny cache, so each decision is
+# one EVALSHA as with limits; errors raise; a loaded machine trips no timeout or breaker).
 
 
 def ratekeeper_case(url: str, algorithm: str, spec: str, *, deny_cache: bool = False) -> CostCase:
-    options = dict(MEASURED)
-    name = f"{algorithm} {spec}"
-    if deny_cache:
-        del options["deny_cache"]  # the library's default local cache of exact denials
-        name += " (deny cache on)"
-    holder = _Fresh(url, options)
+    name = f"{algorithm} {spec}" + (" (deny cache on)" if deny_cache else "")
+    holder = _Fresh(url, harness.store_only(deny_cache=deny_cache))
     policy = Policy("api", spec, algorithm)
 
     def run(n: int, identities: list[str]) -> tuple[int, int]:
@@ -455,7 +449,7 @@ def ratekeeper_case(url: str, algorithm: str, spec: str, *, deny_cache: bool = F
 
 def concurrency_case(url: str, spec: str) -> CostCase:
     """acquire then release: one decision, two EVALSHA."""
-    holder = _Fresh(url, dict(MEASURED))
+    holder = _Fresh(url, harness.store_only())
     policy = Policy("jobs", spec, "concurrency")
 
     def run(n: int, identities: list[str]) -> tuple[int, int]:

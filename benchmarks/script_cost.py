@@ -62,6 +62,7 @@ from _harness import (
     rotations,
     server_cpu,
     server_time,
+    store_only,
 )
 from rich.console import Console
 
@@ -80,13 +81,6 @@ LIMITS_STRATEGIES: dict[str, Callable[[Any], Any]] = {
     "MovingWindow": limits.strategies.MovingWindowRateLimiter,
     "FixedWindow": limits.strategies.FixedWindowRateLimiter,
     "SlidingWindowCounter": limits.strategies.SlidingWindowCounterRateLimiter,
-}
-#: Every decision goes to the store; a loaded machine does not trip the 20 ms default timeout.
-OPTIONS: dict[str, Any] = {
-    "failure_mode": "raise",
-    "deny_cache": 0,
-    "timeout": 2.0,
-    "connect_timeout": 2.0,
 }
 #: Calls per pipeline in the default mode.
 BATCH = 200
@@ -137,7 +131,7 @@ def ratekeeper_case(
 ) -> Case:
     """``Limiter.hit`` (``acquire`` + ``release`` for concurrency), optionally with the calls'
     script replaced by ``script``."""
-    limiter = Limiter.from_url(url, **OPTIONS)
+    limiter = Limiter.from_url(url, **store_only())
     policy = Policy("api", spec, algorithm)
     name = algorithm if script is None else f"{algorithm} (baseline)"
     core = limiter._core
