@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 import redis
 
-from ratekeeper import AsyncLimiter, Decision, Policy, StorageUnavailable
+from ratekeeper import AsyncLimiter, CircuitBreaker, Decision, Policy, StorageUnavailable
 from ratekeeper._storage.redis import AsyncRedisStorage
 from ratekeeper._storage.redis._protocol import Link, Links
 
@@ -265,10 +265,14 @@ def test_a_lost_link_fails_exactly_its_own_calls_never_sent_again(
 
     monkeypatch.setattr(Links, "connect", recording)
     policy = Policy("lost", "100/minute")
+    # The lost calls are failures: the breaker must not answer the peeks that count the runs.
+    untripped = CircuitBreaker(consecutive_failures=1000, min_calls=1000)
     who = [f"id-{i}" for i in range(40)]
 
     async def main(proxy: DelayProxy) -> tuple[list[Any], list[Decision], list[int]]:
-        async with AsyncLimiter.from_url(proxy.url, key_prefix=key_prefix, **PATIENT) as limiter:
+        async with AsyncLimiter.from_url(
+            proxy.url, key_prefix=key_prefix, breaker=untripped, **PATIENT
+        ) as limiter:
             await asyncio.gather(*(limiter.peek(policy, w) for w in who))  # opens both lanes
             assert len(opened) == 2
             proxy.delay = 0.5  # replies held: both batches stay in flight
