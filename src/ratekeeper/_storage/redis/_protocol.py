@@ -222,7 +222,7 @@ class Links:
         self.ssl = ssl
         self.max_links = max_links
         self.idle: list[Link] = []
-        self.open = 0  # links made and not lost: idle or in use
+        self.every: set[Link] = set()  # links made and not lost: idle or in use
         self.loop: asyncio.AbstractEventLoop | None = None
 
     @classmethod
@@ -284,7 +284,7 @@ class Links:
             # forgotten (the loop closed its transports, or will when it is closed).
             self.loop = loop
             self.idle = []
-            self.open = 0
+            self.every = set()
         idle = self.idle
         while idle:
             link = idle.pop()
@@ -304,7 +304,7 @@ class Links:
     async def connect(self) -> Link:
         """A new link, connected and configured; redis-py's errors if it cannot be."""
         loop = asyncio.get_running_loop()
-        if self.max_links is not None and self.open >= self.max_links:
+        if self.max_links is not None and len(self.every) >= self.max_links:
             raise redis.ConnectionError("Too many connections")
         link = Link(loop)
         try:
@@ -320,17 +320,14 @@ class Links:
                 raise redis.TimeoutError("Timeout connecting to server") from None
             except OSError as exc:
                 raise redis.ConnectionError(f"Error connecting to the server: {exc}") from exc
-            self.open += 1
-            link.gone.add_done_callback(self._forget)
+            self.every.add(link)
+            link.gone.add_done_callback(lambda _: self.every.discard(link))
             if self.handshake:
                 await self._configure(link)
         except BaseException as exc:
             link.abort(exc if isinstance(exc, Exception) else redis.ConnectionError("cancelled"))
             raise
         return link
-
-    def _forget(self, _: asyncio.Future[None]) -> None:
-        self.open -= 1
 
     async def _configure(self, link: Link) -> None:
         """AUTH, CLIENT SETNAME and SELECT in one round, as redis-py sends them."""
@@ -374,9 +371,10 @@ class Links:
         return reply
 
     async def close(self) -> None:
-        idle, self.idle = self.idle, []
+        """Close every link, those in use too (their calls fail as on a lost connection)."""
+        self.idle = []
         if self.loop is not None and self.loop is asyncio.get_running_loop():
-            for link in idle:
+            for link in list(self.every):
                 await link.close()
 
     # --- driving exchanges -----------------------------------------------------------------
