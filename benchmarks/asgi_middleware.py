@@ -224,7 +224,16 @@ def wait_until_serving(port: int, proc: subprocess.Popen[bytes]) -> None:
 def load(
     wrk: str, port: int, args: argparse.Namespace, seconds: float, cpus: set[int] | None
 ) -> str:
-    command = [wrk, "-t1", f"-c{args.connections}", f"-d{seconds}s", "--latency"]
+    # A 10 s timeout (wrk's default is 2 s): a stalled shared machine is not a failed request.
+    command = [
+        wrk,
+        "-t1",
+        f"-c{args.connections}",
+        f"-d{seconds}s",
+        "--timeout",
+        "10s",
+        "--latency",
+    ]
     return subprocess.run(
         pinned([*command, f"http://127.0.0.1:{port}/"], cpus),
         capture_output=True,
@@ -479,7 +488,7 @@ def main(argv: list[str] | None = None) -> int:
         "config": {
             "app": 'a Starlette app with one route (`GET /` returning `{"ok": true}`)',
             "server": f"uvicorn {version('uvicorn')} (1 worker, uvloop, httptools, no access log)",
-            "load": f"`wrk -t1 -c{args.connections} -d{args.seconds:g}s`",
+            "load": f"`wrk -t1 -c{args.connections} -d{args.seconds:g}s --timeout 10s`",
             "seconds_per_case": float(args.seconds),
             "rounds": args.rounds,
             "warmup_seconds": args.warmup,
