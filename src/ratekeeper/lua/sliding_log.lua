@@ -51,6 +51,8 @@ for j = 1, m do got[j] = got[j] + 0 end
 local first = got[1]  -- the oldest entry read
 local len = nil  -- the log's length (LLEN), read only when a window needs a search
 local seen = nil  -- index -> time, of the entries LINDEX read (made when a search starts)
+local waits = nil  -- rate -> the time of the entry its denial waits for, when read by LRANGE
+local SMALL = 10  -- a shorter window with a limit up to this reads its newest limit + 1 at once
 
 -- Per rate i, rates[3i - 2 .. 3i] = limit, window, and the count of entries in the window.
 local rates = {0, 0, 0}
@@ -72,18 +74,45 @@ for i = 1, n do
     local j = m
     while j > 0 and got[j] > edge do j = j - 1 end
     count, out = m - j, j
+  elseif window < maxwindow and limit <= SMALL then
+    -- A shorter window with a small limit: its newest limit + 1 entries answer it (a count
+    -- that reaches limit + 1 gives the same reply as any larger one).
+    local more = redis.call('LRANGE', key, string.format('%d', -limit - 1), '-1')
+    local k = #more
+    local j = k
+    while j > 0 and more[j] + 0 > edge do j = j - 1 end
+    count, out = k - j, 0
+    local r = limit - cost
+    if count + cost > limit and r >= 0 then
+      if waits == nil then waits = {} end
+      waits[i] = more[k - r] + 0
+    end
   else
     -- The READ newest are inside: the first entry inside is at an index in [lo, hi].
     if len == nil then len, seen = redis.call('LLEN', key), {} end
     local lo, hi = 0, len - m
-    -- Gallop (gaps 0, 1, 3, 7, ...) from the head for the longest window, else from the tail,
-    -- until the first entry inside is bracketed; then bisect (gap = -1).
+    -- The longest window gallops (gaps 0, 1, 3, 7, ...) from the head until the first entry
+    -- inside is bracketed, then bisects (gap = -1). A shorter window bisects the newest
+    -- limit + 1 entries, once the oldest of them is outside (else the count reaches limit + 1,
+    -- which gives the same reply as any larger count).
     local longest, gap = window == maxwindow, 0
+    if not longest then
+      gap = -1
+      local p = len - limit - 1
+      if p >= 0 and p < hi then
+        local t = seen[p]
+        if t == nil then
+          t = redis.call('LINDEX', key, string.format('%d', p)) + 0
+          seen[p] = t
+        end
+        if t > edge then lo, hi = p, p else lo = p + 1 end
+      end
+    end
     while lo < hi do
       local p
       if gap >= 0 then
-        if longest then p = lo + gap else p = hi - 1 - gap end
-        if p < lo or p >= hi then
+        p = lo + gap
+        if p >= hi then
           gap, p = -1, math.floor((lo + hi) / 2)
         else
           gap = 2 * gap + 1
@@ -97,11 +126,9 @@ for i = 1, n do
         seen[p] = t
       end
       if t > edge then
-        hi = p
-        if longest then gap = -1 end
+        hi, gap = p, -1
       else
         lo = p + 1
-        if not longest then gap = -1 end
       end
     end
     count, out = len - lo, lo
@@ -129,8 +156,10 @@ for i = 1, n do
     else
       -- The (limit - cost)-th newest entry (0-based) must leave the window first.
       local r = limit - cost
-      local at
-      if r < m then
+      local at = nil
+      if waits ~= nil then at = waits[i] end
+      if at ~= nil then  -- read with the window's newest entries
+      elseif r < m then
         at = got[m - r]
       else
         if len ~= nil then at = seen[len - 1 - r] end
