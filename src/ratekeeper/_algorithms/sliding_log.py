@@ -12,8 +12,9 @@ stored time:
 
 * The token (ARGV 4) is unused on both sides: a list needs no unique members.
 * The read shortcut: the script reads the newest two entries first and searches the rest of
-  the list by index (LINDEX) only when both are inside a window; this reference bisects every
-  window of every call.
+  the list by index (LINDEX) only when both are inside a window, and counts a window shorter
+  than the longest only up to its limit + 1 (a larger count gives the same reply); this
+  reference bisects every window of every call.
 """
 
 from __future__ import annotations

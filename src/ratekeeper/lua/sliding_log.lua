@@ -30,17 +30,21 @@
 -- Cost: every call reads the newest READ entries. When that is the whole log (a light user)
 -- it answers everything. Otherwise a window whose oldest entry read is inside it is counted
 -- by searching the list by index (LINDEX, O(log n) calls): the longest window gallops from
--- the head, where an admission left no entry outside it, so a full log is counted with one
--- LINDEX 0; a shorter window gallops from the tail, as its entries are the newest few. The
--- entry a denial waits for is the (limit - cost)-th newest, 0-based: the oldest of those that
--- must leave first. An admission appends, then trims what left the longest window (LTRIM keeps
--- the newest: those of that window, and the ones appended), only when there is such an entry.
+-- the head (indexes 0, 1, 3, 7, ..., then bisects), where an admission left no entry outside
+-- it, so a full log is counted with one LINDEX 0 and a log one entry past it with two. A
+-- shorter window needs only its newest limit + 1 entries (a count that reaches limit + 1 gives
+-- the same reply as any larger one): with a limit up to SMALL it reads them in one LRANGE,
+-- else it bisects them (measured with callgrind: one LRANGE is cheaper at a limit of 5,
+-- bisecting at 50). The entry a denial waits for is the (limit - cost)-th newest, 0-based: the
+-- oldest of those that must leave first, usually read already. An admission appends, then
+-- trims what left the longest window (LTRIM keeps the newest: those of that window, and the
+-- ones appended), only when there is such an entry.
 --
 -- Python reference: ratekeeper/_algorithms/sliding_log.py, which the memory backend runs;
 -- tests/test_property.py demands the same reply and the same stored times from both. The
 -- deliberate difference (also in the reference's docstring) changes neither: here the newest
--- READ entries answer when they can and the rest of the list is searched only when they
--- cannot; the reference bisects every window.
+-- READ entries answer when they can, the rest of the list is searched only when they cannot,
+-- and a shorter window's count stops at limit + 1; the reference bisects every window.
 -- now, cost, peek, n and key come from _prelude.lua.
 
 local READ, FROM = 2, '-2'  -- the newest READ entries: indexes FROM to -1
