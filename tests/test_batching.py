@@ -73,10 +73,10 @@ def wire(monkeypatch: pytest.MonkeyPatch) -> Wire:
     monkeypatch.setattr(redis.asyncio.connection.AbstractConnection, "send_packed_command", spy)
     send = Link.send
 
-    def link_spy(self: Link, packed: bytes, count: int) -> Any:
+    def link_spy(self: Link, packed: bytes, *args: Any) -> Any:
         assert self.transport is not None
         seen.record(self.transport.get_extra_info("peername")[1], packed)
-        return send(self, packed, count)
+        return send(self, packed, *args)
 
     monkeypatch.setattr(Link, "send", link_spy)
     return seen

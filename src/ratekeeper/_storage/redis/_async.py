@@ -116,7 +116,7 @@ class AsyncRedisStorage:
         else:
             exchange = Exchange(script, keys, args)
             if self._links is not None:
-                await self._links.run([exchange])
+                await self._links.run([Pending(exchange, None)])
             elif self._cluster:
                 await arun_command_path(self.client, exchange)
             else:
@@ -130,7 +130,7 @@ class AsyncRedisStorage:
 
     async def _send_links(self, batch: list[Pending]) -> None:
         assert self._links is not None
-        await self._links.run([call.exchange for call in batch])
+        await self._links.run(batch)
 
     async def _send_single(self, batch: list[Pending]) -> None:
         await self._drive([call.exchange for call in batch], keep=self._keep)

@@ -2,9 +2,12 @@
 
 A ``Link`` is one connection. ``Link.send`` writes a packed round of commands in one
 ``transport.write`` and returns a ``Round``; ``data_received`` feeds hiredis and hands each
-reply to the round it belongs to, resolving the round's future when its last reply is in. No
-stream reader, no coroutine per reply: a round of 200 script calls costs one write, the reads
-the kernel makes, and one wake-up of the task that waits for it.
+reply to the exchanges of the calls it answers as it arrives: a call whose exchange ends there
+is resolved there (its caller runs on the loop's next turn), one that needs another command
+(NOSCRIPT) waits for the next round; the link goes back to the pool as the round ends, and the
+round's future wakes the lane's task, which sends what is left or the next batch. No stream
+reader, no coroutine per reply: a round of 200 script calls costs one write, the reads the
+kernel makes, and one wake-up of the task that sent it.
 
 ``Links`` opens and keeps them, configured as redis-py would configure its own connection for
 the same client: the same host and port, unix socket path or TLS context (built by redis-py's
@@ -26,8 +29,9 @@ What happens to the calls is the exchange's rule (``_exchange``), driven by ``ru
 - replies are classified by ``_errors.translate`` through the exchange; error replies are the
   exception objects redis-py's parser builds (``BaseParser.parse_error``).
 
-Anything else raised while a round runs (a bug, a cancellation) closes the link, whose replies
-may still be on their way, and propagates.
+Anything else raised while a round runs (a bug, a cancellation; in ``data_received`` too,
+where the round's waiter gets it) closes the link, whose replies may still be on their way, and
+propagates: the batcher hands it to every caller of the batch not answered yet.
 
 redis-py internals: ``redis._parsers.BaseParser.parse_error`` (a classmethod in every
 supported version); the pool's ``connection_class`` and ``connection_kwargs``; an asyncio
@@ -48,9 +52,10 @@ import redis.asyncio
 from redis._parsers import BaseParser
 from redis.exceptions import InvalidResponse
 
+from ._batch import Pending
 from ._blocking import pack_command
 from ._errors import CLIENT_ERRORS, as_broken
-from ._exchange import DONE, Exchange
+from ._exchange import DONE
 
 __all__ = ["Link", "Links", "Round"]
 
@@ -95,14 +100,28 @@ _HONOURED = frozenset(
 
 
 class Round:
-    """The replies of one write: ``count`` of them, in order, into ``replies``."""
+    """The replies of one write: ``count`` of them, in order, into ``replies``. With ``slots``
+    (the calls each reply answers), each reply is handed to its calls as it arrives: a call
+    whose exchange it ends is settled there and then; the others wait in ``again`` for the
+    next round."""
 
-    __slots__ = ("count", "future", "replies")
+    __slots__ = ("again", "count", "future", "pool", "replies", "slots")
 
-    def __init__(self, count: int, future: asyncio.Future[None]) -> None:
+    def __init__(
+        self,
+        count: int,
+        future: asyncio.Future[None],
+        slots: list[list[Pending]] | None,
+        pool: Links | None,
+    ) -> None:
         self.count = count
         self.future = future
+        self.slots = slots
+        #: Where the link goes back once the round ends with every call settled: at once, so
+        #: that the callers it wakes find it idle.
+        self.pool = pool
         self.replies: list[Any] = []
+        self.again: list[Pending] = []
 
 
 class Link(asyncio.Protocol):
@@ -143,13 +162,24 @@ class Link(asyncio.Protocol):
                     raise InvalidResponse("a reply arrived for no command")
                 current = rounds[0]
                 replies = current.replies
+                slots = current.slots
+                if slots is not None:
+                    for call in slots[len(replies)]:
+                        if call.exchange.replied(reply) == DONE:
+                            call.settle()
+                        else:
+                            current.again.append(call)
                 replies.append(reply)
                 if len(replies) == current.count:
                     rounds.popleft()
+                    if current.pool is not None and not current.again:
+                        current.pool.give(self)
                     if not current.future.done():
                         current.future.set_result(None)
                 reply = reader.gets()
         except InvalidResponse as exc:
+            self.abort(exc)
+        except Exception as exc:  # a bug, not the store: the round's waiter raises it
             self.abort(exc)
 
     def eof_received(self) -> bool:
@@ -173,9 +203,17 @@ class Link(asyncio.Protocol):
         poller = self._poller
         return poller is None or bool(self.rounds) or not poller.poll(0)
 
-    def send(self, packed: bytes, count: int) -> Round:
-        """Write ``packed`` (``count`` commands) and return the round their replies go to."""
-        current = Round(count, self.loop.create_future())
+    def send(
+        self,
+        packed: bytes,
+        count: int,
+        slots: list[list[Pending]] | None = None,
+        pool: Links | None = None,
+    ) -> Round:
+        """Write ``packed`` (``count`` commands) and return the round their replies go to
+        (and, with ``slots``, the calls each answers; with ``pool``, where the link goes back
+        once they are all settled)."""
+        current = Round(count, self.loop.create_future(), slots, pool)
         self.rounds.append(current)
         assert self.transport is not None
         self.transport.write(packed)
@@ -379,12 +417,13 @@ class Links:
 
     # --- driving exchanges -----------------------------------------------------------------
 
-    async def run(self, exchanges: list[Exchange]) -> None:
-        """Drive ``exchanges`` to their end on one link of this pool (see the module's
-        comment for what happens when the link breaks or the store does not answer)."""
+    async def run(self, calls: list[Pending]) -> None:
+        """Drive the calls' exchanges to their end on one link of this pool, settling each
+        call as its exchange ends (see the module's comment for what happens when the link
+        breaks or the store does not answer)."""
         link = self.take()
         try:
-            while exchanges:
+            while calls:
                 if link is not None and not link.usable:
                     # Closed by the server while idle: nothing of this round has run.
                     link.abort(redis.ConnectionError("closed by the server while idle"))
@@ -392,17 +431,18 @@ class Links:
                     closed = redis.ConnectionError(
                         "the server closed the connection while it was idle"
                     )
-                    exchanges = [e for e in exchanges if e.unsent(closed, broke=True) != DONE]
+                    calls = [c for c in calls if c.exchange.unsent(closed, broke=True) != DONE]
                     continue
                 if link is None:
                     try:
                         link = await self.connect()
                     except CLIENT_ERRORS as exc:
-                        for exchange in exchanges:
-                            exchange.unsent(exc, broke=False)
+                        for call in calls:
+                            call.exchange.unsent(exc, broke=False)
                         return
-                exchanges = await self._round(link, exchanges)
-                if link.lost is not None:  # broke during the round: the rest go on a new one
+                calls = await self._round(link, calls)
+                if link.lost is not None or not calls:
+                    # Broke during the round (the rest go on a new one), or back in the pool.
                     link = None
         except BaseException:
             if link is not None:
@@ -410,14 +450,14 @@ class Links:
             raise
         self.give(link)
 
-    async def _round(self, link: Link, exchanges: list[Exchange]) -> list[Exchange]:
-        """One round trip; returns the exchanges that go on to the next."""
-        if len(exchanges) == 1:
-            slots = [exchanges]
-            packed = pack_command(exchanges[0].command)
+    async def _round(self, link: Link, calls: list[Pending]) -> list[Pending]:
+        """One round trip; returns the calls that go on to the next."""
+        if len(calls) == 1:
+            slots = [calls]
+            packed = pack_command(calls[0].exchange.command)
         else:
-            slots, packed = _pack(exchanges)
-        current = link.send(packed, len(slots))
+            slots, packed = _pack(calls)
+        current = link.send(packed, len(slots), slots, self)
         error: Any = None
         timer = (
             None
@@ -433,27 +473,16 @@ class Links:
         finally:
             if timer is not None:
                 timer.cancel()
-        again: list[Exchange] = []
-        replies = current.replies
-        if error is None:
-            for group, reply in zip(slots, replies, strict=True):
-                for exchange in group:
-                    if exchange.replied(reply) != DONE:
-                        again.append(exchange)
-            return again
-        # Timed out, or lost after the write: the calls without a reply may have run.
-        timed_out = isinstance(error, redis.TimeoutError)
-        for i, group in enumerate(slots):
-            for exchange in group:
-                if i < len(replies):
-                    step = exchange.replied(replies[i])
-                elif timed_out:
-                    step = exchange.timed_out(error)
-                else:
-                    step = exchange.lost(error)
-                if step != DONE:
-                    again.append(exchange)
-        return again
+        if error is not None:
+            # Timed out, or lost after the write: the calls without a reply may have run.
+            timed_out = isinstance(error, redis.TimeoutError)
+            for group in slots[len(current.replies) :]:
+                for call in group:
+                    if timed_out:
+                        call.exchange.timed_out(error)
+                    else:
+                        call.exchange.lost(error)
+        return current.again
 
 
 def _expire(link: Link, current: Round, seconds: float) -> None:
@@ -462,21 +491,22 @@ def _expire(link: Link, current: Round, seconds: float) -> None:
         link.abort(redis.TimeoutError(f"no reply within {seconds} s"))
 
 
-def _pack(exchanges: list[Exchange]) -> tuple[list[list[Exchange]], bytes]:
-    """The commands of one round, and which exchanges each reply is for: a SCRIPT LOAD is sent
+def _pack(calls: list[Pending]) -> tuple[list[list[Pending]], bytes]:
+    """The commands of one round, and which calls each reply is for: a SCRIPT LOAD is sent
     once for every call of the script that needs it."""
-    slots: list[list[Exchange]] = []
-    loads: dict[str, list[Exchange]] = {}
+    slots: list[list[Pending]] = []
+    loads: dict[str, list[Pending]] = {}
     packed: list[bytes] = []
-    for exchange in exchanges:
+    for call in calls:
+        exchange = call.exchange
         if exchange.loading:
             group = loads.get(exchange.script.sha)
             if group is not None:
-                group.append(exchange)
+                group.append(call)
                 continue
-            group = loads[exchange.script.sha] = [exchange]
+            group = loads[exchange.script.sha] = [call]
         else:
-            group = [exchange]
+            group = [call]
         slots.append(group)
         packed.append(pack_command(exchange.command))
     return slots, b"".join(packed)
