@@ -33,7 +33,6 @@ import argparse
 import json
 import math
 import os
-import platform
 import random
 import statistics
 import sys
@@ -44,10 +43,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import _harness as harness
 from rich.console import Console
-from rich.table import Table
 
-import ratekeeper
 from ratekeeper import Limiter, ManualClock, Policy
 
 HERE = Path(__file__).resolve().parent
@@ -276,48 +274,51 @@ def replay(
 def print_results(console: Console, result: dict[str, Any]) -> None:
     ids = result["identities_by_group"]
     for name, by_label in result["algorithms"].items():
-        table = Table(
-            title=(
-                f"{name} vs sliding_log, {RATE}: straightforward replay "
-                "(each sees the full trace and decides on its own)"
-            )
-        )
-        for header in (
-            "requests of", "ids", "decisions", f"{name}\nadmitted", "sliding_log\nadmitted",
-            "differ", "differ %", f"false admits\n({name} yes,\nlog no)",
-            f"false denies\n({name} no,\nlog yes)", "vs own history:\nadmitted over",
-            "vs own history:\ndenied with room",
-        ):  # fmt: skip
-            table.add_column(header, justify="left" if header == "requests of" else "right")
+        rows = []
         for label, t in by_label.items():
             n = t["decisions"] or 1
-            table.add_row(
-                label,
-                f"{ids.get(label, 0):,}",
-                f"{t['decisions']:,}",
-                f"{t['admitted']:,} ({t['admitted'] / n:.1%})",
-                f"{t['log_admitted']:,} ({t['log_admitted'] / n:.1%})",
-                f"{t['differ']:,}",
-                f"{t['differ_share']:.2%}",
-                f"{t['false_admits']:,} ({t['false_admit_share']:.2%})",
-                f"{t['false_denies']:,} ({t['false_deny_share']:.2%})",
-                f"{t['own_over']:,}",
-                f"{t['own_under']:,}",
+            rows.append(
+                [
+                    label,
+                    f"{ids.get(label, 0):,}",
+                    f"{t['decisions']:,}",
+                    f"{t['admitted']:,} ({t['admitted'] / n:.1%})",
+                    f"{t['log_admitted']:,} ({t['log_admitted'] / n:.1%})",
+                    f"{t['differ']:,}",
+                    f"{t['differ_share']:.2%}",
+                    f"{t['false_admits']:,} ({t['false_admit_share']:.2%})",
+                    f"{t['false_denies']:,} ({t['false_deny_share']:.2%})",
+                    f"{t['own_over']:,}",
+                    f"{t['own_under']:,}",
+                ]
             )
-        console.print(table)
-
-    table = Table(title=f"most admits of one identity in any trailing {PERIOD:g} s (limit {LIMIT})")
-    for header in ("algorithm", "max", "identities ever over", "their mean peak"):
-        table.add_column(header, justify="left" if header == "algorithm" else "right")
+        harness.print_table(
+            console,
+            f"{name} vs sliding_log, {RATE}: straightforward replay (each sees the full trace "
+            "and decides on its own)",
+            ("requests of", "ids", "decisions", f"{name}\nadmitted", "sliding_log\nadmitted",
+             "differ", "differ %", f"false admits\n({name} yes,\nlog no)",
+             f"false denies\n({name} no,\nlog yes)", "vs own history:\nadmitted over",
+             "vs own history:\ndenied with room"),
+            rows,
+        )  # fmt: skip
+    rows = []
     for name, peak in result["peak"].items():
         mean = peak["mean_peak_of_those_over"]
-        table.add_row(
-            name,
-            str(peak["max_admitted_in_any_trailing_window"]),
-            f"{peak['identities_over_limit']:,} of {peak['identities']:,}",
-            "-" if mean is None else f"{mean:.1f}",
+        rows.append(
+            [
+                name,
+                str(peak["max_admitted_in_any_trailing_window"]),
+                f"{peak['identities_over_limit']:,} of {peak['identities']:,}",
+                "-" if mean is None else f"{mean:.1f}",
+            ]
         )
-    console.print(table)
+    harness.print_table(
+        console,
+        f"most admits of one identity in any trailing {PERIOD:g} s (limit {LIMIT})",
+        ("algorithm", "max", "identities ever over", "their mean peak"),
+        rows,
+    )
     console.print(
         "Harness self-check (sliding_log's decisions vs the exact rule on its own admits): "
         f"{result['self_check_mismatches']} mismatches."
@@ -353,7 +354,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    console = Console(width=max(Console().width, 140))
+    console = harness.console()
     started = time.perf_counter()
     people, events = make_trace(args.seed, args.identities)
     generated = time.perf_counter()
@@ -377,13 +378,7 @@ def main(argv: list[str] | None = None) -> int:
     output = {
         "benchmark": "accuracy",
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "machine": {
-            "platform": platform.platform(),
-            "cpu_count": os.cpu_count(),
-            "load_average_1min_at_end": os.getloadavg()[0],
-            "python": sys.version.split()[0],
-            "ratekeeper": ratekeeper.__version__,
-        },
+        "machine": harness.machine_info(None, load_average_1min_at_end=os.getloadavg()[0]),
         "config": {
             "seed": args.seed,
             "identities": args.identities,

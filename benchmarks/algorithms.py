@@ -39,15 +39,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import _harness as harness
 import limits
 import limits.storage
 import limits.strategies
 import redis
 import redis.utils
-from _measure import HARNESS, TOP_LEVEL, machine_info, server_cpu
-from _server import Server, find_binaries
 from rich.console import Console
-from rich.table import Table
 
 from ratekeeper import Limiter, ManualClock, Policy
 from ratekeeper._algorithms import ALGORITHMS
@@ -116,7 +114,7 @@ def schedule_for(policy: Policy) -> tuple[Schedule, str]:
 class Filler:
     """Sends the calls ``Limiter.hit``/``acquire`` would send at chosen client times, pipelined."""
 
-    def __init__(self, server: Server) -> None:
+    def __init__(self, server: harness.Server) -> None:
         self.client = named_client(server, FILL_CLIENT)
         self.clock = ManualClock(BASE_TIME)
         self.core = Core(clock=self.clock)
@@ -176,7 +174,7 @@ class Filler:
 FILL_CLIENT = "bench-fill"
 
 
-def named_client(server: Server, name: str) -> redis.Redis:
+def named_client(server: harness.Server, name: str) -> redis.Redis:
     return redis.Redis(host="127.0.0.1", port=server.port, socket_timeout=10, client_name=name)
 
 
@@ -273,7 +271,7 @@ class MemoryBench:
 
 
 def limits_memory_rows(
-    console: Console, bench: MemoryBench, server: Server, many: list[str], few: list[str]
+    console: Console, bench: MemoryBench, server: harness.Server, many: list[str], few: list[str]
 ) -> list[dict[str, Any]]:
     """limits' keys for comparison. The moving window is filled with one hit of cost = limit:
     a list entry is the same timestamp string whether or not the timestamps differ, so this is
@@ -329,7 +327,7 @@ def limits_memory_rows(
 
 
 def memory_section(
-    console: Console, server: Server, args: argparse.Namespace
+    console: Console, server: harness.Server, args: argparse.Namespace
 ) -> dict[str, list[dict[str, Any]]]:
     filler = Filler(server)
     bench = MemoryBench(
@@ -431,19 +429,13 @@ class _Fresh:
         self.limiter.close()
 
 
-#: Every decision goes to the store (no local deny cache: each decision is one EVALSHA, as with
-#: limits), errors raise instead of being decided by a failure mode, and a loaded 2-core machine
-#: does not trip the 20 ms default timeout.
-MEASURED = {"deny_cache": 0, "failure_mode": "raise", "timeout": 2.0, "connect_timeout": 2.0}
+# Every decision goes to the store (harness.store_only: no local deny cache, so each decision is
+# one EVALSHA as with limits; errors raise; a loaded machine trips no timeout or breaker).
 
 
 def ratekeeper_case(url: str, algorithm: str, spec: str, *, deny_cache: bool = False) -> CostCase:
-    options = dict(MEASURED)
-    name = f"{algorithm} {spec}"
-    if deny_cache:
-        del options["deny_cache"]  # the library's default local cache of exact denials
-        name += " (deny cache on)"
-    holder = _Fresh(url, options)
+    name = f"{algorithm} {spec}" + (" (deny cache on)" if deny_cache else "")
+    holder = _Fresh(url, harness.store_only(deny_cache=deny_cache))
     policy = Policy("api", spec, algorithm)
 
     def run(n: int, identities: list[str]) -> tuple[int, int]:
@@ -457,7 +449,7 @@ def ratekeeper_case(url: str, algorithm: str, spec: str, *, deny_cache: bool = F
 
 def concurrency_case(url: str, spec: str) -> CostCase:
     """acquire then release: one decision, two EVALSHA."""
-    holder = _Fresh(url, dict(MEASURED))
+    holder = _Fresh(url, harness.store_only())
     policy = Policy("jobs", spec, "concurrency")
 
     def run(n: int, identities: list[str]) -> tuple[int, int]:
@@ -500,7 +492,7 @@ def limits_case(port: int, name: str, spec: str) -> CostCase:
     )
 
 
-def cost_cases(server: Server) -> list[CostCase]:
+def cost_cases(server: harness.Server) -> list[CostCase]:
     cases = []
     for spec in ("100/minute", "10/minute", "100/minute;1000/hour"):
         cases += [ratekeeper_case(server.url, algorithm, spec) for algorithm in WINDOWED]
@@ -522,34 +514,24 @@ def run_cost_case(
     # Warm up on another identity: loads the script (NOSCRIPT, SCRIPT LOAD) before the stats.
     case.run(1, ["warm-up"])
     client.config_resetstat()
-    cpu_before = server_cpu(client)
+    cpu_before = harness.server_cpu(client)
     start = time.perf_counter()
     made, admitted = case.run(decisions, identities)
     elapsed = time.perf_counter() - start
-    cpu = server_cpu(client) - cpu_before
-    stats = client.info("commandstats")
-    commands: dict[str, dict[str, float]] = {}
-    for field, value in stats.items():
-        name = field.removeprefix("cmdstat_")
-        if name in HARNESS:
-            continue
-        commands[name] = {
-            "calls": value["calls"],
-            "usec": value["usec"],
-            "usec_per_call": value["usec_per_call"],
-            "failed_calls": value.get("failed_calls", 0),
-            "rejected_calls": value.get("rejected_calls", 0),
-        }
-    top = {name: c for name, c in commands.items() if name in TOP_LEVEL}
-    top_usec = sum(c["usec"] for c in top.values())
-    top_calls = sum(c["calls"] for c in top.values())
+    cpu = harness.server_cpu(client) - cpu_before
+    commands = harness.commandstats(client)
+    for fields in commands.values():
+        fields["usec_per_call"] = fields["usec"] / fields["calls"] if fields["calls"] else 0.0
+    top_usec, top_calls = harness.server_time(commands)
     return {
         "decisions": made,
         "admitted": admitted,
         "top_level_calls": top_calls,
         "server_usec_per_decision": top_usec / made,
         "server_usec_per_call": top_usec / top_calls if top_calls else None,
-        "failed_calls": sum(c["failed_calls"] + c["rejected_calls"] for c in commands.values()),
+        "failed_calls": sum(
+            c.get("failed_calls", 0.0) + c.get("rejected_calls", 0.0) for c in commands.values()
+        ),
         "client_usec_per_decision": elapsed / made * 1e6,
         "server_cpu_usec_per_decision": cpu / made * 1e6,
         "commands": commands,
@@ -557,15 +539,13 @@ def run_cost_case(
 
 
 def cost_section(
-    console: Console, server: Server, args: argparse.Namespace
+    console: Console, server: harness.Server, args: argparse.Namespace
 ) -> list[dict[str, Any]]:
     client = server.client()
     identities = [f"user-{i:06d}" for i in range(args.cost_identities)]
     cases = cost_cases(server)
     runs: dict[str, list[dict[str, Any]]] = {case.name: [] for case in cases}
-    for r in range(args.rounds):
-        shift = r * len(cases) // args.rounds
-        order = cases[shift:] + cases[:shift]
+    for r, order in harness.rotations(cases, args.rounds):
         for case in order:
             runs[case.name].append(run_cost_case(client, case, args.decisions, identities))
         shown = ", ".join(
@@ -627,36 +607,20 @@ def cost_section(
 # Reporting.
 
 
-def server_info(server: Server) -> dict[str, Any]:
-    info = server.client().info("server")
+def server_info(server: harness.Server) -> dict[str, Any]:
+    client = server.client()
     return {
-        "flavor": server.binary.flavor,
-        "path": server.binary.path,
-        "version": server.binary.version,
-        "redis_version": str(info.get("redis_version")),
-        "valkey_version": str(info["valkey_version"]) if "valkey_version" in info else None,
-        "mem_allocator": str(server.client().info("memory").get("mem_allocator", "")) or None,
-        "zset_max_listpack_entries": server.client().config_get("zset-max-*-entries"),
-        "hash_max_listpack_entries": server.client().config_get("hash-max-*-entries"),
-        "list_max_listpack_size": server.client().config_get("list-max-*-size"),
+        **harness.server_facts(server),
+        "mem_allocator": str(client.info("memory").get("mem_allocator", "")) or None,
+        "zset_max_listpack_entries": client.config_get("zset-max-*-entries"),
+        "hash_max_listpack_entries": client.config_get("hash-max-*-entries"),
+        "list_max_listpack_size": client.config_get("list-max-*-size"),
     }
 
 
 def print_memory(console: Console, title: str, memory: dict[str, list[dict[str, Any]]]) -> None:
-    table = Table(title=f"{title}: memory per identity (bytes)")
-    for header, justify in (
-        ("algorithm", "left"), ("policy", "left"), ("fill", "left"), ("ids", "right"),
-        ("MEMORY USAGE\nmean", "right"), ("min-max", "right"), ("used_memory\ndelta", "right"),
-        ("encoding", "left"), ("B/unit of limit", "right"),
-    ):  # fmt: skip
-        table.add_column(header, justify=justify)  # type: ignore[arg-type]
-    for row in memory["single_rate"]:
-        per_unit = (
-            f"{row['memory_usage_mean'] / row['limit']:.1f}"
-            if row["algorithm"] in ("sliding_log", "limits MovingWindow")
-            else "-"
-        )
-        table.add_row(
+    rows = [
+        [
             row["algorithm"],
             row["policy"],
             row["fill"],
@@ -665,19 +629,22 @@ def print_memory(console: Console, title: str, memory: dict[str, list[dict[str, 
             f"{row['memory_usage_min']:,}-{row['memory_usage_max']:,}",
             f"{row['used_memory_delta_per_identity']:,.0f}",
             row["encoding"],
-            per_unit,
-        )
-    console.print(table)
-
-    table = Table(title=f"{title}: two-rate policy, bytes per identity per rate")
-    for header in (
-        "algorithm", "1 rate: 10/minute", "2 rates: 10/minute;100/hour", "per rate (2-rate / 2)",
-        "2nd rate adds", "used_memory delta (1 / 2 rates)",
-    ):  # fmt: skip
-        table.add_column(header, justify="left" if header == "algorithm" else "right")
-    rows = memory["two_rate"]
-    for one, two in zip(rows[::2], rows[1::2], strict=True):
-        table.add_row(
+            f"{row['memory_usage_mean'] / row['limit']:.1f}"
+            if row["algorithm"] in ("sliding_log", "limits MovingWindow")
+            else "-",
+        ]
+        for row in memory["single_rate"]
+    ]
+    harness.print_table(
+        console,
+        f"{title}: memory per identity (bytes)",
+        ("algorithm", "policy", "fill", "ids", "MEMORY USAGE\nmean", "min-max",
+         "used_memory\ndelta", "encoding", "B/unit of limit"),
+        rows,
+    )  # fmt: skip
+    pairs = zip(memory["two_rate"][::2], memory["two_rate"][1::2], strict=True)
+    rows = [
+        [
             one["algorithm"],
             f"{one['memory_usage_mean']:,.0f}",
             f"{two['memory_usage_mean']:,.0f}",
@@ -685,38 +652,38 @@ def print_memory(console: Console, title: str, memory: dict[str, list[dict[str, 
             f"{two['memory_usage_mean'] - one['memory_usage_mean']:,.0f}",
             f"{one['used_memory_delta_per_identity']:,.0f} / "
             f"{two['used_memory_delta_per_identity']:,.0f}",
-        )
-    console.print(table)
-
-    table = Table(title=f"{title}: concurrency, memory per identity with k leases held")
-    for header in ("leases held", "ids", "MEMORY USAGE mean", "per lease", "used_memory delta",
-                   "encoding"):  # fmt: skip
-        table.add_column(header, justify="right")
-    for row in memory["leases"]:
-        table.add_row(
+        ]
+        for one, two in pairs
+    ]
+    harness.print_table(
+        console,
+        f"{title}: two-rate policy, bytes per identity per rate",
+        ("algorithm", "1 rate: 10/minute", "2 rates: 10/minute;100/hour", "per rate (2-rate / 2)",
+         "2nd rate adds", "used_memory delta (1 / 2 rates)"),
+        rows,
+    )  # fmt: skip
+    rows = [
+        [
             str(row["leases"]),
             str(row["identities"]),
             f"{row['memory_usage_mean']:,.0f}",
             f"{row['memory_usage_mean'] / row['leases']:,.1f}",
             f"{row['used_memory_delta_per_identity']:,.0f}",
             row["encoding"],
-        )
-    console.print(table)
+        ]
+        for row in memory["leases"]
+    ]
+    harness.print_table(
+        console,
+        f"{title}: concurrency, memory per identity with k leases held",
+        ("leases held", "ids", "MEMORY USAGE mean", "per lease", "used_memory delta", "encoding"),
+        rows,
+    )
 
 
 def print_cost(console: Console, title: str, cost: list[dict[str, Any]], args: Any) -> None:
-    table = Table(
-        title=(
-            f"{title}: server time per decision (INFO commandstats), {args.decisions:,} decisions "
-            f"over {args.cost_identities:,} identities, median of {args.rounds} rounds"
-        )
-    )
-    for header in ("case", "admitted", "server us/decision\nmedian", "min-max",
-                   "EVALSHA per\ndecision", "us per\nEVALSHA",
-                   "server CPU\nus/decision", "client wall\nus/decision"):  # fmt: skip
-        table.add_column(header, justify="left" if header == "case" else "right")
-    for row in cost:
-        table.add_row(
+    rows = [
+        [
             row["case"],
             f"{row['admitted_fraction']:.0%}",
             f"{row['server_usec_per_decision_median']:.2f}",
@@ -725,26 +692,34 @@ def print_cost(console: Console, title: str, cost: list[dict[str, Any]], args: A
             f"{row['server_usec_per_call_median']:.2f}",
             f"{row['server_cpu_usec_per_decision_median']:.0f}",
             f"{row['client_usec_per_decision_median']:.0f}",
-        )
-    console.print(table)
-
-    table = Table(
-        title=(
-            f"{title}: commands per decision x us each (all rounds); the ones inside a script "
-            "are part of its EVALSHA time"
-        )
-    )
-    table.add_column("case")
-    table.add_column("commands")
-    for row in cost:
-        table.add_row(
+        ]
+        for row in cost
+    ]
+    harness.print_table(
+        console,
+        f"{title}: server time per decision (INFO commandstats), {args.decisions:,} decisions "
+        f"over {args.cost_identities:,} identities, median of {args.rounds} rounds",
+        ("case", "admitted", "server us/decision\nmedian", "min-max", "EVALSHA per\ndecision",
+         "us per\nEVALSHA", "server CPU\nus/decision", "client wall\nus/decision"),
+        rows,
+    )  # fmt: skip
+    rows = [
+        [
             row["case"],
             ", ".join(
                 f"{name} {c['calls_per_decision']:.2g}x{c['usec_per_call']:.2f}"
                 for name, c in row["commands"].items()
             ),
-        )
-    console.print(table)
+        ]
+        for row in cost
+    ]
+    harness.print_table(
+        console,
+        f"{title}: commands per decision x us each (all rounds); the ones inside a script are "
+        "part of its EVALSHA time",
+        ("case", "commands"),
+        rows,
+    )
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -775,9 +750,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    console = Console(width=max(Console().width, 160))
-    binaries = [b for b in find_binaries() if args.server in ("all", b.flavor)]
-    machine = machine_info(None, "limits")
+    console = harness.console()
+    binaries = [b for b in harness.find_binaries() if args.server in ("all", b.flavor)]
+    machine = harness.machine_info(None, "limits")
     console.print(
         f"{machine['cpu_count']} CPUs ({machine['cpu_model']}), Python {machine['python']}, "
         f"ratekeeper {machine['ratekeeper']}, redis-py {machine['redis_py']} "
@@ -790,7 +765,7 @@ def main(argv: list[str] | None = None) -> int:
         title = f"{binary.flavor} {binary.version}"
         console.print(f"[bold]{title}[/bold] ({binary.path})")
         t0 = time.perf_counter()
-        with Server(binary) as server:
+        with harness.Server(binary) as server:
             info = server_info(server)
             memory = memory_section(console, server, args)
             t1 = time.perf_counter()

@@ -1,664 +1,527 @@
-"""ASGI throughput: one Starlette app bare, behind ratekeeper's middleware, and under slowapi.
+"""What ratekeeper's ASGI middleware costs a real server: uvicorn and wrk, beside the bare app and
+slowapi.
 
-The same small Starlette app (one route, ``GET /`` returning ``{"ok": true}``) is driven
-in-process (the ASGI callable is awaited with a minimal scope, receive and send: no sockets for
-HTTP) by C concurrent asyncio tasks, one private Redis/Valkey server on loopback behind the
-limiters. Requests come from 1,000 client addresses (``--clients``) in turn (the ASGI scope's
-``client``), and the limits are generous, so every request is admitted and every limited request
-is decided by Redis.
+One trivial Starlette app (one route, ``GET /`` returning ``{"ok": true}``) is served by uvicorn
+(1 worker, uvloop, httptools, no access log), one server process per variant, each started once:
 
-Each task is a closed-loop client: it sends its next request as soon as its previous response
-is complete. A request's latency runs from then to its response, including its wait for the event
-loop (the driver yields once before every request, as a server's per-connection task would), so
-a handler that blocks the loop shows up as queueing in the other tasks' latencies.
+* ``bare``: the app alone;
+* ``ratekeeper/admitted``: ``RateLimitMiddleware`` in the app's middleware list on an
+  ``AsyncLimiter.from_url(<redis>, failure_mode="raise", timeout=10)`` (and a breaker that never
+  opens), ``sliding_window`` at
+  ``100000000/minute`` per client IP: every request admitted, one ``EVALSHA`` each;
+* ``ratekeeper/denied``: the same middleware at ``1/hour``: after the first request every one is
+  denied (429) from the limiter's deny cache (its default), with no store call;
+* ``slowapi``: slowapi's documented set-up, ``@limiter.limit("100000000/minute")`` on the route,
+  ``Limiter(key_func=get_remote_address, storage_uri=<redis>)`` (its default fixed window) on
+  ``app.state`` and its 429 handler: every request admitted.
 
-Variants:
+``wrk -t1 -c32 -d<seconds>s --latency`` loads one variant at a time. With two or more CPUs,
+uvicorn runs on its own CPU and Redis and wrk on another (``sched_setaffinity``), so the server
+measured has a core to itself. Every round runs each variant once on an empty store
+(``FLUSHALL``, ``CONFIG RESETSTAT`` first), in an order that rotates between rounds; the ratios
+to the bare app are medians of per-round ratios. Checks (exit 1 if one fails): bare, admitted
+and slowapi answer only 2xx; denied answers only 429 and makes at most a few script calls;
+admitted makes exactly one script call per request, bare none.
 
-* ``no_limit``                        the app alone;
-* ``ratekeeper/sliding_window``       ``RateLimitMiddleware`` in the app's middleware list, an
-  ``AsyncLimiter`` (``failure_mode="raise"``, ``deny_cache=0``), ``1000000/minute`` per client IP;
-* ``ratekeeper/sliding_log``          the same with the exact ``sliding_log`` at ``10000/minute``
-  (its largest limit: ``max_log_entries``);
-* ``slowapi/sliding-window-counter``  slowapi's ``@limiter.limit("1000000/minute")`` on the route,
-  ``Limiter(key_func=get_remote_address, storage_uri=<redis>, strategy=...)``: the counterpart of
-  ``sliding_window``;
-* ``slowapi/moving-window``           the same at ``10000/minute`` with limits' exact moving
-  window: the counterpart of ``sliding_log``.
-
-slowapi decides with the blocking redis-py client inside the async endpoint, so each of its
-Redis round trips stalls the event loop; that is what is measured, nothing works around it.
-
-Every round runs each (variant, concurrency) case for the same duration on an empty store
-(``FLUSHALL``, ``CONFIG RESETSTAT`` first), in an order that rotates between rounds; ratios pair
-cases of the same round and concurrency. Every response's status is counted (all must be 200),
-ratekeeper's responses must all carry RateLimit headers (a decision the store did not make gets
-none), and ``INFO commandstats`` must show exactly one ``EVALSHA`` per ratekeeper request and no
-command at all for ``no_limit``; the script exits 1 if a check fails.
-
-Run: ``.venv/bin/python benchmarks/asgi_middleware.py [--seconds N] [--rounds R]
-[--concurrency 1,32] [--clients 1000]``
-Results: a table on stdout and ``benchmarks/results/asgi_middleware.json``.
+Run: ``python benchmarks/asgi_middleware.py [--seconds 3] [--rounds 8] [--connections 32]``
+Results: a table on stdout and ``benchmarks/results/asgi_middleware.json``, which
+``benchmarks/compare.py`` renders into ``docs/performance.md``.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
-import gc
-import itertools
 import json
+import math
 import os
+import re
+import shutil
+import socket
 import statistics
+import subprocess
 import sys
 import time
-from collections import Counter
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
 import redis
-import redis.utils
-from _measure import machine_cpu, machine_info, max_load, percentile, server_cpu
-from _server import Server, ServerBinary, find_binary
-from rich.console import Console
-from rich.table import Table
-from slowapi import Limiter as SlowLimiter
-from slowapi import _rate_limit_exceeded_handler
-from slowapi.errors import RateLimitExceeded
-from slowapi.util import get_remote_address
+from _harness import (
+    RATIO_HEADERS,
+    Server,
+    commandstats,
+    console,
+    find_binary,
+    machine_cpu,
+    machine_info,
+    pinned,
+    print_table,
+    ratio_cells,
+    ratio_row,
+    reset,
+    rotations,
+    server_facts,
+    server_time,
+    split_cpus,
+    spread,
+    store_only,
+)
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
-from starlette.types import ASGIApp, Message
-
-import ratekeeper
-from ratekeeper import AsyncLimiter, Policy
-from ratekeeper.asgi import RateLimitMiddleware
-from ratekeeper.identity import client_ip
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results" / "asgi_middleware.json"
 
-POLICY_NAME = "bench"
-WINDOW_RATE = "1000000/minute"  # sliding_window and slowapi's sliding-window-counter
-LOG_RATE = "10000/minute"  # sliding_log's largest limit (max_log_entries), and moving-window
-BODY = b'{"ok":true}'
-
-# Commands the harness itself sends between cases; left out of the server-side stats.
-HARNESS_COMMANDS = frozenset({"info", "config", "flushall", "ping", "client", "hello", "dbsize"})
-
-
-@dataclass(frozen=True)
-class Variant:
-    name: str
-    library: str  # "none", "ratekeeper" or "slowapi"
-    algorithm: str = ""  # ratekeeper algorithm or limits/slowapi strategy
-    rate: str = ""
+ADMIT_RATE = "100000000/minute"
+DENY_RATE = "1/hour"
+#: variant -> (the least ratio to the bare app it should reach, or None: shown beside).
+VARIANTS: dict[str, float | None] = {
+    "bare": None,
+    "ratekeeper/admitted": 0.7,
+    "ratekeeper/denied": 0.85,
+    "slowapi": None,
+}
 
 
-VARIANTS = (
-    Variant("no_limit", "none"),
-    Variant("ratekeeper/sliding_window", "ratekeeper", "sliding_window", WINDOW_RATE),
-    Variant("ratekeeper/sliding_log", "ratekeeper", "sliding_log", LOG_RATE),
-    Variant("slowapi/sliding-window-counter", "slowapi", "sliding-window-counter", WINDOW_RATE),
-    Variant("slowapi/moving-window", "slowapi", "moving-window", LOG_RATE),
-)
-
-# (numerator, denominator): ratekeeper over the bare app (the middleware's cost) and over slowapi
-# with the matching algorithm.
-RATIOS = (
-    ("ratekeeper/sliding_window", "no_limit"),
-    ("ratekeeper/sliding_log", "no_limit"),
-    ("ratekeeper/sliding_window", "slowapi/sliding-window-counter"),
-    ("ratekeeper/sliding_log", "slowapi/moving-window"),
-)
-
-
-# --- the app ----------------------------------------------------------------------------------
+# --- the apps (built in the uvicorn process) ---------------------------------------------------
 
 
 async def hello(request: Request) -> JSONResponse:
     return JSONResponse({"ok": True})
 
 
-def build_app(
-    endpoint: Callable[[Request], Awaitable[JSONResponse]] = hello,
-    middleware: list[Middleware] | None = None,
-    exception_handlers: dict[Any, Any] | None = None,
-) -> Starlette:
-    """The one app every variant serves; only its middleware list or route decorator differs."""
-    return Starlette(
-        routes=[Route("/", endpoint, methods=["GET"])],
-        middleware=middleware,
-        exception_handlers=exception_handlers,
+def build_app(variant: str, url: str) -> Starlette:
+    """The one app every variant serves; only its middleware or route decorator differs."""
+    routes = [Route("/", hello, methods=["GET"])]
+    if variant == "bare":
+        return Starlette(routes=routes)
+    if variant.startswith("ratekeeper/"):
+        from ratekeeper import AsyncLimiter, Policy
+        from ratekeeper.asgi import RateLimitMiddleware
+        from ratekeeper.identity import client_ip
+
+        # Every admitted request is decided by the store, whatever the machine's load; the deny
+        # cache is left at its default.
+        limiter = AsyncLimiter.from_url(url, **store_only(deny_cache=True))
+        rate = ADMIT_RATE if variant == "ratekeeper/admitted" else DENY_RATE
+        policy = Policy("bench", rate, algorithm="sliding_window")
+        middleware = [
+            Middleware(RateLimitMiddleware, limiter=limiter, policy=policy, key=client_ip())
+        ]
+        return Starlette(routes=routes, middleware=middleware)
+    if variant == "slowapi":
+        from slowapi import Limiter, _rate_limit_exceeded_handler
+        from slowapi.errors import RateLimitExceeded
+        from slowapi.util import get_remote_address
+
+        slow = Limiter(key_func=get_remote_address, storage_uri=url)
+        app = Starlette(
+            routes=[Route("/", slow.limit(ADMIT_RATE)(hello), methods=["GET"])],
+            exception_handlers={RateLimitExceeded: _rate_limit_exceeded_handler},
+        )
+        app.state.limiter = slow
+        return app
+    raise ValueError(f"unknown variant {variant!r}")
+
+
+def serve(variant: str, url: str, port: int) -> None:
+    """Run in the child process: uvicorn, 1 worker, uvloop, httptools."""
+    import uvicorn
+
+    uvicorn.run(
+        build_app(variant, url),
+        host="127.0.0.1",
+        port=port,
+        loop="uvloop",
+        http="httptools",
+        workers=1,
+        access_log=False,
+        log_level="warning",
     )
 
 
-def no_limit_app(url: str, variant: Variant) -> tuple[Starlette, Callable[[], Awaitable[None]]]:
-    async def close() -> None:
-        return None
-
-    return build_app(), close
-
-
-def ratekeeper_app(url: str, variant: Variant) -> tuple[Starlette, Callable[[], Awaitable[None]]]:
-    # Every decision must come from the store: no failing open on a slow call of a loaded
-    # machine (the default 20 ms timeout), no local answers from the deny cache.
-    limiter = AsyncLimiter.from_url(
-        url, failure_mode="raise", timeout=2, connect_timeout=2, deny_cache=0
-    )
-    policy = Policy(POLICY_NAME, variant.rate, algorithm=variant.algorithm)
-    middleware = [Middleware(RateLimitMiddleware, limiter=limiter, policy=policy, key=client_ip())]
-    return build_app(middleware=middleware), limiter.close
-
-
-def slowapi_app(url: str, variant: Variant) -> tuple[Starlette, Callable[[], Awaitable[None]]]:
-    # slowapi's documented set-up: a Limiter on app.state, its 429 handler, a decorated route.
-    limiter = SlowLimiter(key_func=get_remote_address, storage_uri=url, strategy=variant.algorithm)
-    app = build_app(
-        endpoint=limiter.limit(variant.rate)(hello),
-        exception_handlers={RateLimitExceeded: _rate_limit_exceeded_handler},
-    )
-    app.state.limiter = limiter
-
-    async def close() -> None:
-        limiter._storage.storage.close()
-
-    return app, close
-
-
-BUILDERS = {"none": no_limit_app, "ratekeeper": ratekeeper_app, "slowapi": slowapi_app}
-
-
-# --- the driver -------------------------------------------------------------------------------
+# --- the load ----------------------------------------------------------------------------------
 
 
 @dataclass
-class Sample:
-    """One case run once: its request count, wall time, per-request latencies and counters."""
+class Run:
+    """One wrk run against one variant."""
 
     requests: int
-    elapsed_ns: int
-    latencies_ns: list[int]
-    statuses: Counter[str]
-    with_ratelimit_headers: int
-    bad_bodies: int
-    client_cpu_ns: int
-    server_cpu_s: float = 0.0
-    commandstats: dict[str, dict[str, float]] = field(default_factory=dict)
-    keys_after: int = 0
-    machine_busy_s: float | None = None  # all CPUs, from /proc/stat (Linux only)
-    steal_s: float | None = None
-
-    @property
-    def foreign_cpu_s(self) -> float | None:
-        """CPU time that neither this process nor the server used: other load on the machine."""
-        if self.machine_busy_s is None:
-            return None
-        return max(0.0, self.machine_busy_s - self.client_cpu_ns / 1e9 - self.server_cpu_s)
-
-    @property
-    def rate(self) -> float:
-        return self.requests / (self.elapsed_ns / 1e9)
-
-    def evalsha_calls(self) -> int:
-        return int(self.commandstats.get("evalsha", {}).get("calls", 0.0))
+    seconds: float
+    rate: float
+    non_2xx: int
+    socket_errors: int
+    latency_ms: dict[str, float]
+    script_calls: int
+    server_us_per_request: float
+    machine_busy_cpus: float | None
+    #: uvicorn's CPU time per request (all threads, from /proc): steadier than requests/s on a
+    #: shared machine, since time the process waits for a core is not in it.
+    app_cpu_us_per_request: float
 
 
-def scope_template() -> dict[str, Any]:
-    return {
-        "type": "http",
-        "asgi": {"version": "3.0", "spec_version": "2.3"},
-        "http_version": "1.1",
-        "method": "GET",
-        "scheme": "http",
-        "path": "/",
-        "raw_path": b"/",
-        "root_path": "",
-        "query_string": b"",
-        "headers": [(b"host", b"bench.local"), (b"user-agent", b"asgi-bench")],
-        "server": ("127.0.0.1", 8000),
+TICK = os.sysconf("SC_CLK_TCK")
+_UNITS = {"us": 1e-3, "ms": 1.0, "s": 1e3}
+
+
+def _ms(text: str) -> float:
+    number, unit = re.fullmatch(r"([\d.]+)(us|ms|s)", text).groups()  # type: ignore[union-attr]
+    return float(number) * _UNITS[unit]
+
+
+def parse_wrk(out: str) -> tuple[int, float, float, int, int, dict[str, float]]:
+    """(requests, seconds, requests/s, non-2xx/3xx, socket errors, latency percentiles ms)."""
+    total = re.search(r"(\d+) requests in ([\d.]+)(ms|s|m),", out)
+    rate = re.search(r"Requests/sec:\s+([\d.]+)", out)
+    if total is None or rate is None:
+        raise RuntimeError(f"unexpected wrk output:\n{out}")
+    seconds = float(total[2]) * {"ms": 1e-3, "s": 1.0, "m": 60.0}[total[3]]
+    non_2xx = re.search(r"Non-2xx or 3xx responses: (\d+)", out)
+    errors = re.search(r"Socket errors: connect (\d+), read (\d+), write (\d+), timeout (\d+)", out)
+    latency = {
+        f"p{m[1]}": _ms(m[2])
+        for m in re.finditer(r"^\s*(50|75|90|99)(?:\.0+)?%\s+([\d.]+(?:us|ms|s))\s*$", out, re.M)
     }
+    for key in ("p50", "p75", "p90", "p99"):
+        latency.setdefault(key, math.nan)  # shown as nan: the output is in the results
+    return (
+        int(total[1]),
+        seconds,
+        float(rate[1]),
+        int(non_2xx[1]) if non_2xx else 0,
+        sum(int(v) for v in errors.groups()) if errors else 0,
+        latency,
+    )
 
 
-async def drive(
-    app: ASGIApp, concurrency: int, duration_ns: int, clients: list[tuple[str, int]]
-) -> tuple[int, int, list[int], Counter[str], int, int]:
-    """``concurrency`` tasks send requests back to back until the deadline; each request takes
-    the next client address. Returns (requests, elapsed_ns, latencies_ns, statuses,
-    responses with RateLimit headers, responses with another body)."""
-    template = scope_template()
-    clock = time.perf_counter_ns
-    serial = itertools.count()
-    k = len(clients)
-    latencies: list[int] = []
-    statuses: Counter[str] = Counter()
-    counts = [0, 0]  # with RateLimit headers, bad bodies
-    request_message = {"type": "http.request", "body": b"", "more_body": False}
-
-    async def receive() -> Message:
-        return request_message
-
-    async def worker(deadline: int) -> None:
-        append = latencies.append
-        while True:
-            # A fresh scope per request: Starlette and slowapi write into it (state, app, ...).
-            scope = {**template, "client": clients[next(serial) % k]}
-            seen: dict[str, Any] = {}
-
-            async def send(message: Message, seen: dict[str, Any] = seen) -> None:
-                kind = message["type"]
-                if kind == "http.response.start":
-                    seen["status"] = message["status"]
-                    seen["headers"] = message.get("headers", ())
-                elif kind == "http.response.body":
-                    seen["body"] = seen.get("body", b"") + message.get("body", b"")
-
-            # The request is ready now; like a server's per-connection task it then waits for
-            # the event loop, so a handler that blocks the loop shows up as queueing latency.
-            t0 = clock()
-            await asyncio.sleep(0)
-            try:
-                await app(scope, receive, send)
-            except Exception as exc:  # failure_mode="raise": a store error surfaces here
-                seen["status"] = type(exc).__name__
-            t1 = clock()
-            append(t1 - t0)
-            status = seen.get("status", "no response")
-            statuses[str(status)] += 1
-            if status == 200:
-                if seen.get("body") != BODY:
-                    counts[1] += 1
-                if any(name == b"ratelimit" for name, _ in seen["headers"]):
-                    counts[0] += 1
-            if t1 >= deadline:
-                return
-
-    start = clock()
-    deadline = start + duration_ns
-    await asyncio.gather(*(worker(deadline) for _ in range(concurrency)))
-    elapsed = clock() - start
-    return len(latencies), elapsed, latencies, statuses, counts[0], counts[1]
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = int(sock.getsockname()[1])
+    return port if port != 6379 else free_port()
 
 
-async def run_case(
+def wait_until_serving(port: int, proc: subprocess.Popen[bytes]) -> None:
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"uvicorn on {port} exited with {proc.returncode}")
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=1) as sock:
+                sock.sendall(b"GET / HTTP/1.1\r\nHost: bench\r\nConnection: close\r\n\r\n")
+                if sock.recv(64).startswith(b"HTTP/1.1"):
+                    return
+        except OSError:
+            time.sleep(0.05)
+    raise RuntimeError(f"uvicorn on {port} did not answer within 30 s")
+
+
+def load(
+    wrk: str, port: int, args: argparse.Namespace, seconds: float, cpus: set[int] | None
+) -> str:
+    # A 10 s timeout (wrk's default is 2 s): a stalled shared machine is not a failed request.
+    command = [
+        wrk,
+        "-t1",
+        f"-c{args.connections}",
+        f"-d{seconds}s",
+        "--timeout",
+        "10s",
+        "--latency",
+    ]
+    return subprocess.run(
+        pinned([*command, f"http://127.0.0.1:{port}/"], cpus),
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=seconds + 60,
+    ).stdout
+
+
+def process_cpu(pid: int) -> float:
+    """CPU seconds (user + system, all threads) process ``pid`` has used."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / TICK
+
+
+def drained(pid: int) -> None:
+    """Wait until the app server has finished what wrk left in flight (it keeps working on a
+    loaded machine after wrk stops): until its CPU time has not grown for 0.3 s, at most 10 s.
+    Its calls then count to this run, not the next."""
+    deadline = time.monotonic() + 10
+    before, still = process_cpu(pid), 0
+    while time.monotonic() < deadline and still < 3:
+        time.sleep(0.1)
+        now = process_cpu(pid)
+        still = still + 1 if now == before else 0
+        before = now
+
+
+def run_once(
     admin: redis.Redis,
-    app: ASGIApp,
-    concurrency: int,
-    duration_ns: int,
-    clients: list[tuple[str, int]],
-) -> Sample:
-    """Run one case from an empty store with fresh server stats. The admin calls block the
-    loop, but only between cases."""
-    admin.flushall()
-    gc.collect()
-    admin.config_resetstat()
-    cpu0 = server_cpu(admin)
-    machine0 = machine_cpu()
-    proc0 = time.process_time_ns()
-    requests, elapsed, lat, statuses, headed, bad = await drive(
-        app, concurrency, duration_ns, clients
+    wrk: str,
+    port: int,
+    pid: int,
+    args: argparse.Namespace,
+    cpus: set[int] | None,
+) -> Run:
+    reset(admin)
+    busy0 = machine_cpu()
+    cpu0 = process_cpu(pid)
+    requests, seconds, rate, non_2xx, errors, latency = parse_wrk(
+        load(wrk, port, args, args.seconds, cpus)
     )
-    proc1 = time.process_time_ns()
-    machine1 = machine_cpu()
-    cpu1 = server_cpu(admin)
-    stats = {
-        name.removeprefix("cmdstat_"): {
-            key: float(value)
-            for key, value in fields.items()
-            if key in ("calls", "usec", "usec_per_call", "failed_calls", "rejected_calls")
-        }
-        for name, fields in admin.info("commandstats").items()
-        if name.removeprefix("cmdstat_").split("|")[0] not in HARNESS_COMMANDS
-    }
-    sample = Sample(
-        requests, elapsed, lat, statuses, headed, bad, proc1 - proc0, cpu1 - cpu0, stats
+    busy1 = machine_cpu()
+    drained(pid)
+    cpu1 = process_cpu(pid)
+    usec, calls = server_time(commandstats(admin))
+    return Run(
+        requests,
+        seconds,
+        rate,
+        non_2xx,
+        errors,
+        latency,
+        int(calls),
+        usec / requests,
+        None if busy0 is None or busy1 is None else (busy1[0] - busy0[0]) / seconds,
+        (cpu1 - cpu0) / requests * 1e6,
     )
-    sample.keys_after = int(admin.dbsize())
-    if machine0 is not None and machine1 is not None:
-        sample.machine_busy_s = machine1[0] - machine0[0]
-        sample.steal_s = machine1[1] - machine0[1]
-    return sample
 
 
-# --- checks and summaries ---------------------------------------------------------------------
-
-
-def check(variant: Variant, sample: Sample, warmup: bool = False) -> list[str]:
-    """What is wrong with one run, if anything. A warm-up run may load scripts (NOSCRIPT, then
-    SCRIPT LOAD): only its statuses and bodies are checked."""
+def check(variant: str, run: Run, connections: int) -> list[str]:
+    """What is wrong with one run, if anything."""
     problems = []
-    if set(sample.statuses) != {"200"}:
-        problems.append(f"statuses {dict(sample.statuses)} (all 200 expected)")
-    if sample.bad_bodies:
-        problems.append(f"{sample.bad_bodies} responses with a body other than {BODY!r}")
-    if warmup:
-        return problems
-    if variant.library == "none" and sample.commandstats:
-        problems.append(f"Redis got commands without a limiter: {sorted(sample.commandstats)}")
-    if variant.library == "ratekeeper":
-        # Redis 7 also counts the commands a script runs (TIME, ZADD, HSET...): EVALSHA itself
-        # is the one the client sent.
-        if sample.evalsha_calls() != sample.requests:
-            problems.append(
-                f"{sample.evalsha_calls()} EVALSHA for {sample.requests} requests (1 each expected)"
+    if run.socket_errors:
+        problems.append(f"{run.socket_errors} socket errors")
+    if variant == "ratekeeper/denied":
+        if run.non_2xx != run.requests:
+            problems.append(f"{run.requests - run.non_2xx} of {run.requests} not denied")
+        if run.script_calls > 10:
+            problems.append(f"{run.script_calls} script calls (the deny cache should answer)")
+    elif run.non_2xx:
+        problems.append(f"{run.non_2xx} of {run.requests} responses not 2xx")
+    if variant == "bare" and run.script_calls:
+        problems.append(f"{run.script_calls} script calls without a limiter")
+    # wrk counts the responses it completed; a request cut off at the deadline may still have
+    # been decided, so allow one per connection in flight.
+    if variant == "ratekeeper/admitted" and not 0 <= run.script_calls - run.requests <= connections:
+        problems.append(f"{run.script_calls} script calls for {run.requests} requests")
+    return [f"{variant}: {p}" for p in problems]
+
+
+# --- main --------------------------------------------------------------------------------------
+
+
+def summarize_runs(runs: dict[str, list[Run]]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """Per variant: requests/s, ratios to the bare app, CPU and latency; then the ratio rows."""
+    bare = [run.rate for run in runs["bare"]]
+    bare_cpu = [run.app_cpu_us_per_request for run in runs["bare"]]
+    cases: dict[str, Any] = {}
+    for variant, values in runs.items():
+        cases[variant] = {
+            "requests_per_s": spread([run.rate for run in values]),
+            "vs_bare": spread([run.rate / b for run, b in zip(values, bare, strict=True)]),
+            "app_cpu_us_per_request": spread([run.app_cpu_us_per_request for run in values]),
+            "cpu_vs_bare": spread(
+                [b / run.app_cpu_us_per_request for run, b in zip(values, bare_cpu, strict=True)]
+            ),
+            "latency_ms": {k: statistics.median(v.latency_ms[k] for v in values)
+                           for k in ("p50", "p75", "p90", "p99")},
+            "statuses": {
+                "2xx": sum(run.requests - run.non_2xx for run in values),
+                "other": sum(run.non_2xx for run in values),
+            },
+            "script_calls_per_request": sum(v.script_calls for v in values)
+            / sum(v.requests for v in values),
+            "server_us_per_request": sum(v.server_us_per_request * v.requests for v in values)
+            / sum(v.requests for v in values),
+            "machine_busy_cpus_per_round": [run.machine_busy_cpus for run in values],
+        }  # fmt: skip
+    goals = []
+    for variant, target in VARIANTS.items():
+        if variant == "bare":
+            continue
+        goals.append(
+            ratio_row(
+                f"{variant} / bare (requests/s)", [r.rate for r in runs[variant]], bare, target
             )
-        if sample.with_ratelimit_headers != sample.requests:
-            problems.append(
-                f"{sample.requests - sample.with_ratelimit_headers} responses without RateLimit "
-                "headers (decisions the store did not make)"
+        )
+        goals.append(
+            ratio_row(
+                f"{variant} / bare (by uvicorn CPU per request: bare's over this one's)",
+                bare_cpu,
+                [r.app_cpu_us_per_request for r in runs[variant]],
+                None,
             )
-    for name, fields in sample.commandstats.items():
-        if fields.get("failed_calls") or fields.get("rejected_calls"):
-            problems.append(f"{name}: failed/rejected calls {fields}")
-    return problems
+        )
+    return cases, goals
 
 
-def summarize(samples: list[Sample]) -> dict[str, Any]:
-    rates = [s.rate for s in samples]
-    pooled = sorted(itertools.chain.from_iterable(s.latencies_ns for s in samples))
-    requests = sum(s.requests for s in samples)
-    statuses: Counter[str] = Counter()
-    for s in samples:
-        statuses.update(s.statuses)
-    merged: dict[str, dict[str, float]] = {}
-    for s in samples:
-        for name, fields in s.commandstats.items():
-            into = merged.setdefault(name, {"calls": 0.0, "usec": 0.0})
-            into["calls"] += fields.get("calls", 0.0)
-            into["usec"] += fields.get("usec", 0.0)
-    for fields in merged.values():
-        fields["usec_per_call"] = fields["usec"] / fields["calls"] if fields["calls"] else 0.0
-    evalsha = merged.get("evalsha", {"calls": 0.0, "usec": 0.0})
-    return {
-        "requests_per_s": {
-            "median": statistics.median(rates),
-            "min": min(rates),
-            "max": max(rates),
-            "per_round": rates,
-        },
-        "latency_us": {
-            "p50": percentile(pooled, 0.50) / 1000,
-            "p90": percentile(pooled, 0.90) / 1000,
-            "p99": percentile(pooled, 0.99) / 1000,
-            "p999": percentile(pooled, 0.999) / 1000,
-            "mean": statistics.fmean(pooled) / 1000,
-            "max": pooled[-1] / 1000,
-            "samples": len(pooled),
-        },
-        "requests": requests,
-        "statuses": dict(statuses),
-        "with_ratelimit_headers": sum(s.with_ratelimit_headers for s in samples),
-        "client_cpu_us_per_request": sum(s.client_cpu_ns for s in samples) / requests / 1000,
-        "server_cpu_us_per_request": sum(s.server_cpu_s for s in samples) / requests * 1e6,
-        "server_evalsha_calls": int(evalsha["calls"]),
-        "server_evalsha_calls_per_request": evalsha["calls"] / requests,
-        "server_evalsha_us_per_call": evalsha["usec"] / evalsha["calls"]
-        if evalsha["calls"]
-        else None,
-        "server_commandstats": merged,
-        "keys_after_case_per_round": [s.keys_after for s in samples],
-        # Other load on the machine while the case ran, in CPUs (1.0 = one core kept busy).
-        "foreign_load_cpus_per_round": [
-            None if s.foreign_cpu_s is None else s.foreign_cpu_s / (s.elapsed_ns / 1e9)
-            for s in samples
-        ],
-        "steal_cpus_per_round": [
-            None if s.steal_s is None else s.steal_s / (s.elapsed_ns / 1e9) for s in samples
-        ],
-    }
-
-
-def case_name(variant: str, concurrency: int) -> str:
-    return f"{variant} C={concurrency}"
-
-
-def paired_ratios(
-    samples: dict[str, list[Sample]], concurrencies: list[int]
-) -> dict[str, dict[str, Any]]:
-    """Requests/s of one case over another's at the same concurrency, round by round; also the
-    time each request gains or loses (1/rate difference, in µs of wall time per request)."""
-    ratios: dict[str, dict[str, Any]] = {}
-    for concurrency in concurrencies:
-        for top, bottom in RATIOS:
-            ours = samples[case_name(top, concurrency)]
-            theirs = samples[case_name(bottom, concurrency)]
-            per_round = [a.rate / b.rate for a, b in zip(ours, theirs, strict=True)]
-            added = [1e6 / a.rate - 1e6 / b.rate for a, b in zip(ours, theirs, strict=True)]
-            ratios[f"{top} / {bottom} C={concurrency}"] = {
-                "numerator": top,
-                "denominator": bottom,
-                "concurrency": concurrency,
-                "median": statistics.median(per_round),
-                "min": min(per_round),
-                "max": max(per_round),
-                "per_round": per_round,
-                "added_us_per_request_median": statistics.median(added),
-                "added_us_per_request_per_round": added,
-            }
-    return ratios
-
-
-# --- running ----------------------------------------------------------------------------------
+def case_table(cases: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
+    """The cases as a table (headers, rows): printed here, and rendered into
+    docs/performance.md by compare.py from the results file."""
+    headers = ["case", "requests/s", "min-max", "/ bare", "uvicorn CPU us/request",
+               "bare's CPU / this", "p50 ms", "p99 ms", "scripts/request", "non-2xx"]  # fmt: skip
+    rows = [
+        [
+            f"`{name}`",
+            f"{c['requests_per_s']['median']:,.0f}",
+            f"{c['requests_per_s']['min']:,.0f}-{c['requests_per_s']['max']:,.0f}",
+            f"{c['vs_bare']['median']:.2f}",
+            f"{c['app_cpu_us_per_request']['median']:.0f}",
+            f"{c['cpu_vs_bare']['median']:.2f}",
+            f"{c['latency_ms']['p50']:.2f}",
+            f"{c['latency_ms']['p99']:.2f}",
+            f"{c['script_calls_per_request']:.3f}",
+            f"{c['statuses']['other']:,}",
+        ]
+        for name, c in cases.items()
+    ]
+    return headers, rows
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    parser.add_argument("--seconds", type=float, default=1.5, help="seconds per case per round")
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument(
-        "--concurrency", default="1,32", help="comma-separated numbers of concurrent tasks"
-    )
-    parser.add_argument("--clients", type=int, default=1000, help="distinct client addresses")
-    parser.add_argument("--warmup", type=float, default=0.5, help="seconds per case, discarded")
+    parser.add_argument("--seconds", type=int, default=3, help="seconds per case per round")
+    parser.add_argument("--rounds", type=int, default=8)
+    parser.add_argument("--warmup", type=int, default=1, help="seconds per case, discarded")
+    parser.add_argument("--connections", type=int, default=32, help="wrk -c")
     parser.add_argument("--output", type=Path, default=RESULTS)
+    parser.add_argument(
+        "--serve", nargs=3, metavar=("VARIANT", "URL", "PORT"), help=argparse.SUPPRESS
+    )
     args = parser.parse_args(argv)
-    try:
-        args.concurrency = [int(c) for c in args.concurrency.split(",")]
-    except ValueError:
-        parser.error("--concurrency must be comma-separated integers")
-    if args.seconds <= 0 or args.rounds < 1 or args.warmup < 0:
-        parser.error("--seconds and --rounds must be positive")
-    if not 1 <= args.clients <= 65536 or min(args.concurrency) < 1:
-        parser.error("--clients must be 1..65536 and every concurrency positive")
+    if args.seconds <= 0 or args.rounds < 1 or args.connections < 1 or args.warmup <= 0:
+        parser.error("--seconds, --rounds, --warmup and --connections must be positive")
     return args
-
-
-async def run_all(
-    console: Console, args: argparse.Namespace, server: Server
-) -> tuple[dict[str, list[Sample]], list[str], str]:
-    """Build every app, warm each case up, then run every case in rotating order each round."""
-    admin = server.client()
-    clients = [(f"10.{i >> 16}.{(i >> 8) & 255}.{i & 255}", 40000) for i in range(args.clients)]
-    apps: dict[str, tuple[Variant, ASGIApp]] = {}
-    closers = []
-    for variant in VARIANTS:
-        app, close = BUILDERS[variant.library](server.url, variant)
-        apps[variant.name] = (variant, app)
-        closers.append(close)
-    cases = [(v, c) for c in args.concurrency for v in apps]
-    names = [case_name(v, c) for v, c in cases]
-    expected = len(cases) * (args.rounds * args.seconds + args.warmup)
-    console.print(
-        f"{len(apps)} variants x {len(args.concurrency)} concurrencies x {args.rounds} rounds x "
-        f"{args.seconds:g} s, {args.clients} client addresses, about {expected:.0f} s"
-    )
-    problems: list[str] = []
-    for (variant, concurrency), name in zip(cases, names, strict=True):
-        spec, app = apps[variant]
-        sample = await run_case(admin, app, concurrency, int(args.warmup * 1e9), clients)
-        problems += [f"warm-up {name}: {p}" for p in check(spec, sample, warmup=True)]
-
-    samples: dict[str, list[Sample]] = {name: [] for name in names}
-    for r in range(args.rounds):
-        shift = r % len(cases)
-        for (variant, concurrency), name in zip(
-            cases[shift:] + cases[:shift], names[shift:] + names[:shift], strict=True
-        ):
-            spec, app = apps[variant]
-            sample = await run_case(admin, app, concurrency, int(args.seconds * 1e9), clients)
-            samples[name].append(sample)
-            problems += [f"round {r + 1} {name}: {p}" for p in check(spec, sample)]
-            foreign = sample.foreign_cpu_s
-            load = "" if foreign is None else f"  other load {foreign / args.seconds:.2f} CPU"
-            console.print(
-                f"round {r + 1}/{args.rounds}  {name:38s} {sample.rate:9,.0f} req/s"
-                f"  EVALSHA {sample.evalsha_calls():7,d}{load}"
-            )
-    for close in closers:
-        await close()
-    admin.close()
-    loop = type(asyncio.get_running_loop())
-    return samples, problems, f"{loop.__module__}.{loop.__qualname__}"
-
-
-def _statuses(s: dict[str, Any]) -> str:
-    return ", ".join(f"{code} x {n:,}" for code, n in sorted(s["statuses"].items()))
-
-
-def print_tables(
-    console: Console,
-    args: argparse.Namespace,
-    summary: dict[str, dict[str, Any]],
-    ratios: dict[str, dict[str, Any]],
-) -> None:
-    table = Table(
-        title=f"in-process ASGI, {args.rounds} rounds x {args.seconds:g} s per case, "
-        f"{args.clients} client addresses"
-    )
-    table.add_column("variant", no_wrap=True)
-    table.add_column("C", justify="right")
-    for header in (
-        "req/s\nmedian",
-        "min-max",
-        "p50\nus",
-        "p99\nus",
-        "client\nCPU us",
-        "server\nCPU us",
-        "EVALSHA\nper req",
-        "EVALSHA\nserver us",
-        "statuses (all rounds)",
-        "other load\nCPU (max)",
-    ):
-        table.add_column(header, justify="right")
-    for concurrency in args.concurrency:
-        for variant in VARIANTS:
-            s = summary[case_name(variant.name, concurrency)]
-            d = s["requests_per_s"]
-            ev = s["server_evalsha_us_per_call"]
-            table.add_row(
-                variant.name,
-                str(concurrency),
-                f"{d['median']:,.0f}",
-                f"{d['min']:,.0f}-{d['max']:,.0f}",
-                f"{s['latency_us']['p50']:.0f}",
-                f"{s['latency_us']['p99']:.0f}",
-                f"{s['client_cpu_us_per_request']:.0f}",
-                f"{s['server_cpu_us_per_request']:.1f}",
-                f"{s['server_evalsha_calls_per_request']:.3f}",
-                "-" if ev is None else f"{ev:.1f}",
-                _statuses(s),
-                max_load(s["foreign_load_cpus_per_round"]),
-                end_section=variant is VARIANTS[-1],
-            )
-    console.print(table)
-    worst = max(v or 0.0 for s in summary.values() for v in s["foreign_load_cpus_per_round"])
-    if worst > 0.2:
-        console.print(
-            f"[bold yellow]warning:[/] other processes used up to {worst:.2f} CPU during a case: "
-            "absolute numbers are unreliable; prefer the paired ratios, or rerun on a quiet machine"
-        )
-
-    ratio_table = Table(title="requests/s ratios, paired within each round")
-    ratio_table.add_column("ratio", no_wrap=True)
-    ratio_table.add_column("C", justify="right")
-    ratio_table.add_column("median", justify="right")
-    ratio_table.add_column("min-max", justify="right")
-    ratio_table.add_column("per round", justify="right")
-    ratio_table.add_column("wall us/req\nadded (median)", justify="right")
-    for ratio in ratios.values():
-        ratio_table.add_row(
-            f"{ratio['numerator']} / {ratio['denominator']}",
-            str(ratio["concurrency"]),
-            f"{ratio['median']:.3f}",
-            f"{ratio['min']:.3f}-{ratio['max']:.3f}",
-            " ".join(f"{v:.3f}" for v in ratio["per_round"]),
-            f"{ratio['added_us_per_request_median']:+.0f}",
-            end_section=ratio["denominator"] == RATIOS[-1][1],
-        )
-    console.print(ratio_table)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    console = Console(width=max(Console().width, 160))
-    binary: ServerBinary = find_binary()
-    console.print(f"server: {binary.flavor} {binary.version} ({binary.path})")
-    console.print(
-        f"starlette {version('starlette')}, slowapi {version('slowapi')} (limits "
-        f"{version('limits')}), redis-py {version('redis')} (hiredis: "
-        f"{redis.utils.HIREDIS_AVAILABLE}), ratekeeper {ratekeeper.__version__}, "
-        f"Python {sys.version.split()[0]}, {os.cpu_count()} CPUs"
+    if args.serve:
+        variant, url, port = args.serve
+        serve(variant, url, int(port))
+        return 0
+    out = console()
+    wrk = shutil.which("wrk")
+    if wrk is None:
+        out.print("wrk is not on PATH (Debian: apt-get install -y wrk)")
+        return 1
+    split = split_cpus()
+    # Redis and wrk on the first CPU, uvicorn alone on the others.
+    load_cpus, app_cpus = (None, None) if split is None else split
+    pinning = (
+        "not pinned (one usable CPU)"
+        if split is None
+        else f"uvicorn on CPU {','.join(map(str, sorted(split[1])))}, Redis and wrk on CPU "
+        f"{','.join(map(str, sorted(split[0])))} (sched_setaffinity)"
     )
     started = time.monotonic()
+    binary = find_binary()
+    problems: list[str] = []
+    runs: dict[str, list[Run]] = {variant: [] for variant in VARIANTS}
     with Server(binary) as server:
-        info = server.client().info("server")
-        server_info = {
-            "flavor": binary.flavor,
-            "path": binary.path,
-            "version": binary.version,
-            "redis_version": str(info.get("redis_version")),
-            "valkey_version": str(info["valkey_version"]) if "valkey_version" in info else None,
+        admin = server.client()
+        facts = server_facts(server)
+        ports = {variant: free_port() for variant in VARIANTS}
+        procs = {
+            variant: subprocess.Popen(
+                pinned(
+                    [sys.executable, __file__, "--serve", variant, server.url, str(port)], app_cpus
+                ),
+            )
+            for variant, port in ports.items()
         }
-        samples, problems, event_loop = asyncio.run(run_all(console, args, server))
-    wall = time.monotonic() - started
-    summary = {name: summarize(values) for name, values in samples.items()}
-    ratios = paired_ratios(samples, args.concurrency)
-    print_tables(console, args, summary, ratios)
-    if problems:
-        console.print(f"[bold red]{len(problems)} check(s) failed:[/]")
-        for problem in problems:
-            console.print(f"  {problem}")
-    else:
-        console.print(
-            "checks passed: every response 200 with the app's body; ratekeeper: one EVALSHA "
-            "per request and RateLimit headers on every response; no_limit: no Redis commands"
-        )
+        try:
+            for variant, port in ports.items():
+                wait_until_serving(port, procs[variant])
+            out.print(f"{pinning}; warming up {len(VARIANTS)} servers for {args.warmup:g} s each")
+            for variant, port in ports.items():
+                reset(admin)
+                load(wrk, port, args, args.warmup, load_cpus)
+                drained(procs[variant].pid)
+            for r, order in rotations(list(VARIANTS), args.rounds):
+                for variant in order:
+                    run = run_once(admin, wrk, ports[variant], procs[variant].pid, args, load_cpus)
+                    runs[variant].append(run)
+                    problems += check(variant, run, args.connections)
+                    out.print(
+                        f"round {r + 1}/{args.rounds}  {variant:22s} {run.rate:9,.0f} req/s  "
+                        f"machine busy {run.machine_busy_cpus or 0:.2f} CPU"
+                    )
+        finally:
+            for proc in procs.values():
+                proc.terminate()
+            for proc in procs.values():
+                proc.wait(10)
+            admin.close()
 
+    cases, goals = summarize_runs(runs)
+    headers, rows = case_table(cases)
+    print_table(
+        out, f"uvicorn + wrk -c{args.connections}: medians of {args.rounds} rounds", headers, rows
+    )
+    print_table(out, "ratios to the bare app", RATIO_HEADERS, ratio_cells(goals))
+    for problem in problems:
+        out.print(f"[red]check failed:[/] {problem}")
+    wrk_version = subprocess.run([wrk, "-v"], capture_output=True, text=True, check=False)
     results = {
         "benchmark": "asgi_middleware",
-        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "created": time.strftime("%Y-%m-%d %H:%M:%S %z"),
         "machine": machine_info(
-            server_info, "starlette", "slowapi", "limits", event_loop=event_loop
+            facts,
+            "starlette",
+            "slowapi",
+            "limits",
+            "uvicorn",
+            "uvloop",
+            "httptools",
+            pinning=pinning,
+            wrk=(wrk_version.stdout + wrk_version.stderr).split("\n")[0].strip(),
         ),
         "config": {
-            "seconds_per_case": args.seconds,
+            "app": 'a Starlette app with one route (`GET /` returning `{"ok": true}`)',
+            "server": f"uvicorn {version('uvicorn')} (1 worker, uvloop, httptools, no access log)",
+            "load": f"`wrk -t1 -c{args.connections} -d{args.seconds:g}s --timeout 10s`",
+            "seconds_per_case": float(args.seconds),
             "rounds": args.rounds,
-            "concurrency": args.concurrency,
-            "client_addresses": args.clients,
             "warmup_seconds": args.warmup,
-            "driver": "ASGI callable awaited in-process with a minimal scope (no HTTP sockets)",
-            "app": "Starlette, one route GET / -> JSONResponse({'ok': True})",
-            "ratekeeper": "RateLimitMiddleware via Starlette middleware=[...], key=client_ip(), "
-            "AsyncLimiter.from_url(url, failure_mode='raise', timeout=2, connect_timeout=2, "
-            "deny_cache=0)",
-            "slowapi": "@limiter.limit(rate) on the route; Limiter(key_func=get_remote_address, "
-            "storage_uri=url, strategy=...), headers_enabled left False (its default)",
-            "variants": [vars(v) for v in VARIANTS],
-            "policy_name": POLICY_NAME,
-            "wall_seconds": wall,
+            "connections": args.connections,
+            "admit_rate": ADMIT_RATE,
+            "deny_rate": DENY_RATE,
+            "wall_seconds": time.monotonic() - started,
         },
-        "cases": summary,
-        "ratios": ratios,
+        "cases": cases,
+        "table": dict(zip(("headers", "rows"), case_table(cases), strict=True)),
+        "goals": goals,
+        "notes": [
+            "`ratekeeper/admitted`: `RateLimitMiddleware` with `sliding_window` at "
+            f'`{ADMIT_RATE}` per client IP on `AsyncLimiter.from_url(url, failure_mode="raise", '
+            "timeout=10)` and a circuit breaker that never opens: one `EVALSHA` per request "
+            "(wrk connects from one address, so one key).",
+            f"`ratekeeper/denied`: the same at `{DENY_RATE}`: every request after the first "
+            "is a 429 from the deny cache, with no store call.",
+            f'`slowapi`: `@limiter.limit("{ADMIT_RATE}")`, `Limiter(key_func='
+            "get_remote_address, storage_uri=url)` (limits' fixed window on the blocking "
+            "redis-py client, called from the event loop), its 429 handler; headers off, its "
+            "default.",
+            "The machine is shared with other jobs; wrk and Redis share a core, uvicorn has the "
+            "other to itself, with what other jobs leave of it. Requests/s count the time "
+            "uvicorn waited for its core; its CPU time per request (from /proc, after it has "
+            "finished what wrk left in flight) does not, so the CPU ratio is the steadier "
+            "estimate of what the middleware costs a server that has the core to itself.",
+        ],
         "checks": {"passed": not problems, "problems": problems},
     }
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(results, indent=2) + "\n")
-    console.print(f"wrote {args.output} ({wall:.0f} s)")
+    out.print(f"wrote {args.output} ({time.monotonic() - started:.0f} s)")
     return 1 if problems else 0
 
 

@@ -22,7 +22,7 @@ import timeit
 from collections.abc import Callable
 
 import redis
-from _server import Server, find_binary
+from _harness import Server, find_binary, store_only
 
 from ratekeeper import Limiter, Policy
 from ratekeeper._core import Call, Core
@@ -123,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
 
     with (
         Server(binary) as server,
-        Limiter.from_url(server.url, failure_mode="raise", timeout=2, deny_cache=0) as limiter,
+        Limiter.from_url(server.url, **store_only()) as limiter,
     ):
         storage = limiter.storage
         assert isinstance(storage, RedisStorage)

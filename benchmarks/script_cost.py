@@ -52,8 +52,19 @@ import limits
 import limits.storage
 import limits.strategies
 import redis
-from _measure import HARNESS, TOP_LEVEL
-from _server import Server, find_binaries
+from _harness import (
+    TOP_LEVEL,
+    Server,
+    commandstats,
+    console,
+    find_binary,
+    print_table,
+    rotations,
+    server_cpu,
+    server_time,
+    store_only,
+)
+from rich.console import Console
 
 from ratekeeper import Limiter, Policy
 from ratekeeper._core import Call, Core
@@ -70,13 +81,6 @@ LIMITS_STRATEGIES: dict[str, Callable[[Any], Any]] = {
     "MovingWindow": limits.strategies.MovingWindowRateLimiter,
     "FixedWindow": limits.strategies.FixedWindowRateLimiter,
     "SlidingWindowCounter": limits.strategies.SlidingWindowCounterRateLimiter,
-}
-#: Every decision goes to the store; a loaded machine does not trip the 20 ms default timeout.
-OPTIONS: dict[str, Any] = {
-    "failure_mode": "raise",
-    "deny_cache": 0,
-    "timeout": 2.0,
-    "connect_timeout": 2.0,
 }
 #: Calls per pipeline in the default mode.
 BATCH = 200
@@ -127,7 +131,7 @@ def ratekeeper_case(
 ) -> Case:
     """``Limiter.hit`` (``acquire`` + ``release`` for concurrency), optionally with the calls'
     script replaced by ``script``."""
-    limiter = Limiter.from_url(url, **OPTIONS)
+    limiter = Limiter.from_url(url, **store_only())
     policy = Policy("api", spec, algorithm)
     name = algorithm if script is None else f"{algorithm} (baseline)"
     core = limiter._core
@@ -230,35 +234,20 @@ def limits_case(port: int, name: str, spec: str, *, api: bool) -> Case:
     return Case(f"limits {name}", pipelined(storage.get_connection(), add), close)
 
 
-def main_thread_cpu(admin: redis.Redis) -> float:
-    """Seconds of CPU the server's main thread has used (the whole process on old servers)."""
-    info = admin.info("cpu")
-    if "used_cpu_user_main_thread" in info:
-        return float(info["used_cpu_user_main_thread"]) + float(info["used_cpu_sys_main_thread"])
-    return float(info["used_cpu_user"]) + float(info["used_cpu_sys"])
-
-
 def measure(admin: redis.Redis, case: Case, hits: int, identities: list[str]) -> dict[str, Any]:
     admin.execute_command("FLUSHALL", "SYNC")
     case.run(1, ["warm-up"])  # loads the script (NOSCRIPT, SCRIPT LOAD) before the stats
     admin.config_resetstat()
-    cpu = main_thread_cpu(admin)
+    cpu = server_cpu(admin)
     admitted = case.run(hits, identities)
-    cpu = main_thread_cpu(admin) - cpu
-    usec = calls = 0
-    inside: dict[str, int] = {}
-    for key, value in admin.info("commandstats").items():
-        command = key.removeprefix("cmdstat_")
-        if command in TOP_LEVEL:
-            usec += value["usec"]
-            calls += value["calls"]
-        elif command not in HARNESS:
-            inside[command] = value["calls"]
+    cpu = server_cpu(admin) - cpu
+    stats = commandstats(admin)
+    usec, calls = server_time(stats)
     return {
         "per_call": usec / calls,
         "per_decision": usec / hits,
         "cpu_per_decision": cpu * 1e6 / hits,
-        "inside": {command: n / hits for command, n in sorted(inside.items())},
+        "inside": {c: f["calls"] / hits for c, f in sorted(stats.items()) if c not in TOP_LEVEL},
         "admitted": admitted / hits,
     }
 
@@ -275,7 +264,7 @@ def build_cases(server: Server, args: argparse.Namespace) -> list[Case]:
     return cases
 
 
-def report(cases: list[Case]) -> None:
+def report(console: Console, cases: list[Case]) -> None:
     by_name = {case.name: case for case in cases}
 
     def median(case: Case, metric: str) -> float:
@@ -285,38 +274,30 @@ def report(cases: list[Case]) -> None:
         pairs = zip(a.samples, b.samples, strict=True)
         return f"{statistics.median(x['per_decision'] / y['per_decision'] for x, y in pairs):.2f}"
 
-    columns = ("case", "us/call", "us/dec", "cpu/dec", "admit", "vs peer", "vs base")
-    widths = (27, 8, 8, 8, 6, 27, 8)
-    line = " ".join(
-        f"{c:<{w}}" if i == 0 else f"{c:>{w}}"
-        for i, (c, w) in enumerate(zip(columns, widths, strict=True))
-    )
-    print(f"\n{line}\n{'-' * len(line)}")
+    rows = []
     for case in cases:
         algorithm = case.name.split()[0]
         peer = by_name.get(PEERS.get(algorithm, ""))
         base = by_name.get(f"{algorithm} (baseline)")
-        vs_peer = f"{ratio(case, peer)} x {peer.name.split()[1]}" if peer else "-"
-        vs_base = ratio(case, base) if base is not None and base is not case else "-"
-        cells = (
-            case.name,
-            f"{median(case, 'per_call'):.2f}",
-            f"{median(case, 'per_decision'):.2f}",
-            f"{median(case, 'cpu_per_decision'):.2f}",
-            f"{median(case, 'admitted'):.2f}",
-            vs_peer,
-            vs_base,
+        rows.append(
+            [
+                case.name,
+                f"{median(case, 'per_call'):.2f}",
+                f"{median(case, 'per_decision'):.2f}",
+                f"{median(case, 'cpu_per_decision'):.2f}",
+                f"{median(case, 'admitted'):.2f}",
+                f"{ratio(case, peer)} x {peer.name.split()[1]}" if peer else "-",
+                ratio(case, base) if base is not None and base is not case else "-",
+            ]
         )
-        print(
-            " ".join(
-                f"{c:<{w}}" if i == 0 else f"{c:>{w}}"
-                for i, (c, w) in enumerate(zip(cells, widths, strict=True))
-            )
-        )
-    print("\ncommands run inside the scripts, per decision (last round):")
-    for case in cases:
-        inside = ", ".join(f"{c} {v:.2f}" for c, v in case.samples[-1]["inside"].items())
-        print(f"  {case.name}: {inside}")
+    headers = ("case", "us/call", "us/dec", "cpu/dec", "admit", "vs peer", "vs base")
+    print_table(console, "server time per decision, medians over rounds", headers, rows)
+    rows = [
+        [case.name, ", ".join(f"{c} {v:.2f}" for c, v in case.samples[-1]["inside"].items())]
+        for case in cases
+    ]
+    print_table(console, "commands run inside the scripts, per decision (last round)",
+                ("case", "commands"), rows)  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -333,11 +314,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
 
-    binaries = [b for b in find_binaries() if args.flavor in (None, b.flavor)]
-    if not binaries:
-        print("no redis-server/valkey-server found (see benchmarks/_server.py)", file=sys.stderr)
-        return 1
-    binary = binaries[0]
+    binary = find_binary(args.flavor)
     identities = [f"user-{i:06d}" for i in range(args.identities)]
     with Server(binary) as server:
         admin = server.client()
@@ -347,16 +324,15 @@ def main(argv: list[str] | None = None) -> int:
             f"{binary.flavor} {binary.version}: {args.spec}, {args.hits:,} hits over "
             f"{args.identities:,} identities per case, {args.rounds} rounds, {mode}"
         )
-        for r in range(args.rounds):
-            shift = r * len(cases) // args.rounds
-            for case in cases[shift:] + cases[:shift]:
+        for r, order in rotations(cases, args.rounds):
+            for case in order:
                 case.samples.append(measure(admin, case, args.hits, identities))
             shown = ", ".join(f"{c.name} {c.samples[-1]['per_decision']:.1f}" for c in cases)
             print(f"  round {r + 1}, us/dec: {shown}")
         for case in cases:
             case.close()
         admin.close()
-    report(cases)
+    report(console(), cases)
     return 0
 
 

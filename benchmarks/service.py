@@ -50,8 +50,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from _measure import machine_cpu, machine_info, percentile
-from _server import Server, find_binary
+from _harness import Server, find_binary, machine_cpu, machine_info, percentile
 
 from ratekeeper import AsyncLimiter
 from ratekeeper.service._config import identity_of, load_config

@@ -157,6 +157,10 @@ def scenarios(draw: st.DrawFn, max_ops: int = 40, max_policies: int = 2) -> Scen
 
 #: The algorithms with a Lua script and a Python reference to compare; "gcra_burst" is gcra
 #: with an explicit ``burst=`` (one rate), "token_bucket" the alias of gcra (either form).
+#: The sliding log's cases (the algorithm is the property tests' default, so it is not among
+#: ALGORITHM_CASES): small limits, and limits up to 400 ("sliding_log_long").
+LOG_CASES = ("sliding_log", "sliding_log_long")
+
 ALGORITHM_CASES = (
     "sliding_window",
     "fixed_window",
@@ -198,6 +202,10 @@ def algorithm_policies(draw: st.DrawFn, case: str, name: str = "p") -> Policy:
             rates = draw(ms_rate_sets(max_rates=1))
             return Policy(name, rates, "token_bucket", burst=draw(st.integers(1, 25)))
         return Policy(name, draw(ms_rate_sets()), "token_bucket")
+    if case == "sliding_log_long":
+        # Logs of hundreds of entries: the script searches them by index (LINDEX), galloping
+        # from either end, where a short log is answered by the newest entries alone.
+        return Policy(name, draw(ms_rate_sets(max_limit=400)), "sliding_log")
     return Policy(name, draw(ms_rate_sets()), case)
 
 

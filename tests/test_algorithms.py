@@ -349,19 +349,25 @@ def test_fixed_window_multi_rate_by_hand(limiter: Any, clock: ExactClock) -> Non
 
 def test_sliding_log_waits_for_an_entry_from_a_clock_ahead(limiter: Any, clock: ExactClock) -> None:
     """Two clients whose clocks are 4 s apart share a log. The entry stamped by the clock ahead
-    counts for the client behind, and its window is empty only once that entry has left it."""
+    counts for the client behind, and its window is empty only once that entry has left it.
+    The log keeps time order: the client behind stamps its entry with the newest time already
+    logged, so its entry too leaves only then (a longer wait, never a wider admission)."""
     policy = Policy("skew", "3 per 10 seconds")
     clock.advance(4)
     assert limiter.hit(policy, "a").allowed  # stamped t + 4 s
     clock.rewind(4)
-    # Stamped t; the log holds t and t + 4 s, so it empties at t + 14 s.
+    # Stamped t + 4 s too (clamped to the newest); the log empties at t + 14 s.
     expected = decision(policy, "3 per 10 seconds", allowed=True, remaining=1, reset_after=14.0)
     assert limiter.hit(policy, "a") == expected
     assert limiter.peek(policy, "a") == expected
-    # A cost of 2 waits for the older entry (t) to leave: 10 s.
+    # A cost of 2 waits for the older of the two entries to leave: both are at t + 4 s, 14 s.
     assert limiter.hit(policy, "a", cost=2) == decision(
-        policy, "3 per 10 seconds", allowed=False, remaining=1, reset_after=14.0, retry_after=10.0
+        policy, "3 per 10 seconds", allowed=False, remaining=1, reset_after=14.0, retry_after=14.0
     )
+    clock.advance_us(14_000_000 - 1)  # a microsecond before: still denied
+    assert not limiter.hit(policy, "a", cost=2).allowed
+    clock.advance_us(1)
+    assert limiter.hit(policy, "a", cost=2).allowed
 
 
 # == fixed_window ============================================================================

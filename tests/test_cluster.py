@@ -630,7 +630,7 @@ def test_processes_admit_exactly_the_limit_on_the_cluster(cluster: Cluster, mode
     assert admitted == LIMIT
     with Limiter.from_url(cluster.url, **workers.exact_options(prefix)) as limiter:
         (key,) = limiter.keys(policy, "shared")
-        assert cluster.owner_of_key(key).command("ZCARD", key) == LIMIT
+        assert cluster.owner_of_key(key).command("LLEN", key) == LIMIT
         peeked = limiter.peek(policy, "shared")
         assert not peeked.allowed
         assert peeked.remaining == 0
@@ -676,9 +676,9 @@ def _fresh_per_shard(cluster: Cluster, prefix: str, tag: str = "") -> Callable[[
     return fresh
 
 
-def _zcard_on_owner(cluster: Cluster) -> Callable[[str], int]:
+def _llen_on_owner(cluster: Cluster) -> Callable[[str], int]:
     """How many hits the primary that owns ``key``'s slot holds for it (a sliding log)."""
-    return lambda key: int(cluster.owner_of_key(key).command("ZCARD", key))
+    return lambda key: int(cluster.owner_of_key(key).command("LLEN", key))
 
 
 def _breaker_log(load: HitLoad, since: float) -> str:
@@ -766,7 +766,7 @@ def test_coordinated_failover_under_load(cluster: Cluster) -> None:
             cluster.failover(replica)
             ok = cluster.wait_state_ok()
             probe = exact_again(
-                limiter, PROBE, _fresh_per_shard(cluster, prefix), inexact, _zcard_on_owner(cluster)
+                limiter, PROBE, _fresh_per_shard(cluster, prefix), inexact, _llen_on_owner(cluster)
             )
             resumed = wait_resumed({"limiter": probe})["limiter"]
             load.wait_calls(3000)
@@ -831,7 +831,7 @@ def test_kill_9_primary_under_load(cluster: Cluster) -> None:
                     PROBE,
                     _fresh_per_shard(cluster, prefix, f"{n}-"),
                     inexact,
-                    _zcard_on_owner(cluster),
+                    _llen_on_owner(cluster),
                 )
                 for n, (name, limiter) in enumerate(limiters.items())
             }

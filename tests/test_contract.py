@@ -492,7 +492,7 @@ def test_keys_have_one_hash_tag(make_limiter: MakeLimiter, key_prefix: str) -> N
         (key,) = limiter.keys(policy, identity)
         assert key.count("{") == key.count("}") == 1
         tag = KeyBuilder(key_prefix).tag("tagged", identity)
-        assert key == f"{key_prefix}:tagged:{{{tag}}}:log"
+        assert key == f"{key_prefix}:tagged:{{{tag}}}:times"
 
 
 def test_key_lives_its_longest_window_plus_a_margin(
@@ -516,6 +516,27 @@ def test_key_lives_its_longest_window_plus_a_margin(
     else:
         # A server's keys expire in real time, which has barely moved.
         assert 30_000 < _pttl(limiter, backend, servers, key) <= 31_000
+
+
+def test_a_log_written_by_a_clock_behind_lives_until_its_newest_entry_leaves(
+    make_limiter: MakeLimiter,
+    clock: ManualClock,
+    backend: str,
+    servers: dict[str, RedisServer],
+) -> None:
+    """A client 4 s behind the newest entry stamps its own with that newest time (the sliding
+    log stays in time order), and the key's TTL runs from it: 4 s + the window + the margin."""
+    limiter = make_limiter(clock=clock)
+    policy = Policy("ttl-skew", "3 per 10 seconds")
+    (key,) = limiter.keys(policy, "a")
+    clock.set(T0 + 4)
+    assert limiter.hit(policy, "a").allowed
+    clock.set(T0)
+    assert limiter.hit(policy, "a").reset_after == 14.0
+    if backend == "memory://":
+        assert _pttl(limiter, backend, servers, key) == 15_000
+    else:
+        assert 14_000 < _pttl(limiter, backend, servers, key) <= 15_000
 
 
 def _pttl(limiter: Any, backend: str, servers: dict[str, RedisServer], key: str) -> int:

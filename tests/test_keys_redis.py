@@ -149,7 +149,7 @@ def quiet(
         client.close()
 
 
-WRITES = ("zadd", "zrem", "zremrangebyscore", "zremrangebyrank", "pexpire", "expire", "del")
+WRITES = ("rpush", "lpush", "ltrim", "lpop", "rpop", "pexpire", "expire", "del")
 
 
 def _writes(client: redis.Redis) -> dict[str, int]:
@@ -167,7 +167,7 @@ def _keyspace(client: redis.Redis) -> dict[str, tuple[int, int]]:
 def _state(client: redis.Redis, key: str) -> tuple[Any, ...]:
     return (
         client.dump(key),
-        client.zrange(key, 0, -1, withscores=True),
+        client.lrange(key, 0, -1),
         client.object("encoding", key),
     )
 
@@ -192,7 +192,7 @@ def test_a_denial_and_a_peek_write_nothing(
 
         assert [limiter.hit(policy, "a").allowed for _ in range(3)] == [True, True, False]
         before, writes, pttl = _state(client, key), _writes(client), client.pttl(key)
-        assert client.zcard(key) == 3
+        assert client.llen(key) == 3
         decisions = [
             limiter.hit(policy, "a"),
             limiter.hit(policy, "a", 2),
@@ -328,7 +328,7 @@ def test_crafted_identities_work_on_a_server(
         assert len(keys) == len(expected)
         for key in keys:
             assert len(key) < 100
-            assert client.type(key) == b"zset"
+            assert client.type(key) == b"list"
 
 
 # --- identities never appear raw -----------------------------------------------------------------
@@ -353,6 +353,6 @@ def test_keys_never_contain_the_raw_identity(
         for key in _scan(client):  # every key on the server, whoever wrote it
             assert secret.encode() not in key
         for key in mine:
-            for member in client.zrange(key, 0, -1):
+            for member in client.lrange(key, 0, -1):
                 assert secret.encode() not in member
             assert secret.encode() not in client.dump(key)

@@ -7,11 +7,13 @@ sizes, are the same on every run.
 
 * sliding_window, fixed_window, gcra: O(1) per identity and rate, whatever the limit;
 * concurrency: O(leases held), back to nothing when they are released or have expired;
-* sliding_log: O(limit), one sorted-set entry per admitted unit, which is why policies cap it.
+* sliding_log: O(limit), one list element (a 64-bit time, about 10 bytes) per admitted unit,
+  which is why policies cap it; at most 16 bytes a unit, key and overhead included.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 
 import pytest
@@ -32,6 +34,8 @@ LIMITS = (10, 10_000, 1_000_000)
 #: sorted set is a listpack, up to 128 members; beyond that each member costs about 100 bytes).
 LEASE_BASE = 200
 PER_LEASE = 40
+#: sliding_log: bytes per admitted unit of a full log, key and overhead included.
+LOG_UNIT_BYTES = 16
 
 
 @pytest.fixture
@@ -169,11 +173,44 @@ def test_concurrency_memory_of_crashed_holders_is_reclaimed(
     assert client.exists(key) == 0
 
 
+@pytest.mark.parametrize("limit", [1_000, 10_000])
+def test_sliding_log_takes_at_most_16_bytes_per_admitted_unit(
+    client: redis.Redis, limiter: tuple[Limiter, ManualClock], limit: int
+):
+    """A full log, hit by hit 100 us apart (every entry a distinct 16-digit time), takes at most
+    16 bytes per admitted unit, key and overhead included; a sorted set of the same times (the
+    earlier format: one member per unit, named by a call token) takes at least 5 times more."""
+    made, clock = limiter
+    policy = Policy(f"log-{limit}", f"{limit} per hour")
+    for _ in range(limit):
+        assert made.hit(policy, "x").allowed
+        clock.advance(0.0001)
+    assert not made.hit(policy, "x").allowed
+    (key,) = made.keys(policy, "x")
+    times = [int(t) for t in client.lrange(key, 0, -1)]
+    assert len(times) == len(set(times)) == limit
+    assert times == sorted(times)
+    used = _bytes(client, made, policy, "x")
+    assert used <= LOG_UNIT_BYTES * limit, (used, used / limit)
+
+    # The earlier sorted set, with members as the earlier script named them: token + '.1'.
+    old = f"{key}:as-sorted-set"
+    client.zadd(old, {f"{os.urandom(6).hex()}{i:x}.1": t for i, t in enumerate(times)})
+    sorted_set = client.memory_usage(old, samples=0)
+    client.delete(old)
+    assert sorted_set is not None
+    assert sorted_set >= 5 * used, (sorted_set, used)
+    print(
+        f"\nsliding_log, {limit:,} entries: {used / limit:.1f} B per unit; the sorted set "
+        f"{sorted_set / limit:.1f} B ({sorted_set / used:.1f}x)"
+    )
+
+
 def test_sliding_log_memory_grows_with_the_limit(
     client: redis.Redis, limiter: tuple[Limiter, ManualClock]
 ):
-    """The exact log keeps one entry per admitted unit: 10,000 entries take well over a
-    thousand times the room of 10 (at least 40 bytes each), so limits are capped."""
+    """The exact log keeps one entry per admitted unit: a cost of 10,000 takes 10,000 entries,
+    well over a hundred times the room of 10, so limits are capped."""
     made, _ = limiter
     small = Policy("log-small", "10 per hour")
     large = Policy("log-large", "10000 per hour")
@@ -183,7 +220,7 @@ def test_sliding_log_memory_grows_with_the_limit(
     small_bytes = _bytes(client, made, small, "x")
     large_bytes = _bytes(client, made, large, "x")
     assert small_bytes <= 10 * PER_RATE
-    assert large_bytes >= 40 * 10_000
+    assert 8 * 10_000 <= large_bytes <= LOG_UNIT_BYTES * 10_000
     assert large_bytes > 100 * small_bytes
 
 

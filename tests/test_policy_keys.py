@@ -292,7 +292,7 @@ def test_limiter_keys_use_the_hash_tag_scheme() -> None:
     with Limiter.from_url("memory://", key_prefix="pfx") as limiter:
         keys = limiter.keys(policy, "a}b{c")
     tag = KeyBuilder("pfx").tag("api", "a}b{c")
-    assert keys == (f"pfx:api:{{{tag}}}:log",)
+    assert keys == (f"pfx:api:{{{tag}}}:times",)
 
 
 # -- cost validation -------------------------------------------------------------------------

@@ -62,6 +62,7 @@ from .servers import RedisServer
 from .strategies import (
     ALGORITHM_CASES,
     BOUNDARY_CASES,
+    LOG_CASES,
     START,
     Acquire,
     Advance,
@@ -840,11 +841,11 @@ def play(scenario: AlgorithmScenario, algorithm: str, url: str, *, loop: Any = N
 
 
 def algorithm_of(case: str) -> str:
-    return "gcra" if case == "gcra_burst" else case
+    return {"gcra_burst": "gcra", "sliding_log_long": "sliding_log"}.get(case, case)
 
 
 @SHRINK_TIMEOUT
-@pytest.mark.parametrize("case", ["sliding_log", *ALGORITHM_CASES])
+@pytest.mark.parametrize("case", [*LOG_CASES, *ALGORITHM_CASES])
 @ALGORITHM_SETTINGS
 @given(data=st.data())
 def test_every_algorithm_memory_server_and_model_agree(
@@ -940,8 +941,8 @@ class Direct:
 
     def states(self, key: str, now: int) -> tuple[Any, Any]:
         """What the server and the reference hold under ``key``, in one form: a hash as a dict
-        of integers, leases as (expiry, member) pairs in order, a log as its times in order
-        (the reference's log keeps no members); None for no key."""
+        of integers, leases as (expiry, member) pairs in order, a log as its times in order;
+        None for no key."""
         value = self.keyspace.get(key, now)
         if isinstance(value, _Leases):
             value = sorted((score, member) for member, score in value.scores.items())
@@ -952,8 +953,8 @@ class Direct:
         elif kind == b"zset":
             pairs = self.client.zrange(key, 0, -1, withscores=True)
             on_server = [(int(score), member.decode()) for member, score in pairs]
-            if not (isinstance(value, list) and value and isinstance(value[0], tuple)):
-                on_server = [score for score, _ in on_server]  # a log: its times
+        elif kind == b"list":  # a log: its times, oldest first
+            on_server = [int(t) for t in self.client.lrange(key, 0, -1)]
         return on_server, value
 
     def delete(self, key: str) -> None:
@@ -962,7 +963,7 @@ class Direct:
 
 
 @SHRINK_TIMEOUT
-@pytest.mark.parametrize("case", ["sliding_log", *ALGORITHM_CASES])
+@pytest.mark.parametrize("case", [*LOG_CASES, *ALGORITHM_CASES])
 @settings(ALGORITHM_SETTINGS, max_examples=60)
 @given(data=st.data())
 def test_scripts_equal_the_references_when_the_clock_goes_back(
@@ -1016,7 +1017,7 @@ def test_scripts_equal_the_references_when_the_clock_goes_back(
 
 @SHRINK_TIMEOUT
 @pytest.mark.parametrize(
-    "case", ["sliding_log", *(case for case in ALGORITHM_CASES if case != "concurrency")]
+    "case", [*LOG_CASES, *(case for case in ALGORITHM_CASES if case != "concurrency")]
 )
 @settings(ALGORITHM_SETTINGS, max_examples=100)
 @given(data=st.data())

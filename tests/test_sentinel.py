@@ -195,9 +195,7 @@ class _NewLimiterProbe:
     def __call__(self) -> bool:
         identity = f"new-{self.api}-{next(self.counter)}"
         with Driver(self.api, self.group.url, key_prefix=self.prefix) as driver:
-            probe = exact_again(
-                driver, PROBE, lambda: [identity], self.inexact, _zcard_on(self.new)
-            )
+            probe = exact_again(driver, PROBE, lambda: [identity], self.inexact, _llen_on(self.new))
             return probe()
 
 
@@ -226,7 +224,7 @@ def test_sentinel_failover_under_load(group: SentinelGroup) -> None:
                 assert client.execute_command("SENTINEL", "FAILOVER", group.service)
             wait_for("the replica to be promoted", lambda: _is_primary(new))
             switched = time.monotonic()
-            running = exact_again(limiter, PROBE, _fresh("run"), inexact, _zcard_on(new))
+            running = exact_again(limiter, PROBE, _fresh("run"), inexact, _llen_on(new))
             resumed = wait_resumed(
                 {"running": running, "new sync": new_sync, "new async": new_async}, 60
             )
@@ -278,9 +276,9 @@ def _lost_writes(
     return lost
 
 
-def _zcard_on(server: Any) -> Callable[[str], int]:
-    def zcard(key: str) -> int:
+def _llen_on(server: Any) -> Callable[[str], int]:
+    def llen(key: str) -> int:
         with connected(server.port) as client:
-            return int(client.zcard(key))
+            return int(client.llen(key))
 
-    return zcard
+    return llen

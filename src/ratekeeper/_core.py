@@ -97,17 +97,34 @@ class Core:
             raise ConfigError(f"clock returned {now!r}: expected positive epoch seconds")
         return us
 
-    def _call(self, policy: Policy, identity: Identity, cost: int, mode: int, token: str) -> Call:
-        if not isinstance(policy, Policy):
-            raise ConfigError(f"policy must be a Policy, got {type(policy).__name__}")
-        _check_cost(cost)
+    def _call(
+        self,
+        policy: Policy,
+        identity: Identity,
+        cost: int,
+        mode: int,
+        token: str,
+        keys: tuple[str, ...] | None = None,
+    ) -> Call:
+        """The call for a ``policy`` already checked; ``keys``, if given, are its keys for
+        ``identity`` (from ``keys_of``), not built twice."""
+        if type(cost) is not int or not 1 <= cost <= MAX_INT:
+            _check_cost(cost)
         plan = self._plans.get(id(policy))
         if plan is None or plan[0] is not policy:
             plan = self._plan(policy)
-        _, script, suffixes, tail = plan
-        keys = self.keys.keys(policy.name, identity, suffixes)
-        args = (self._now(), cost, mode, token, TTL_MARGIN_MS, *tail)
-        return Call(script, keys, args, policy, token, cost, mode)
+        if keys is None:
+            keys = self.keys.keys(policy.name, identity, plan[2])
+        now = 0 if self.clock is None else self._now()
+        return Call(
+            plan[1],
+            keys,
+            (now, cost, mode, token, TTL_MARGIN_MS, *plan[3]),
+            policy,
+            token,
+            cost,
+            mode,
+        )
 
     def _plan(self, policy: Policy) -> _Plan:
         """What every call under ``policy`` shares: its script, key suffixes and the ARGV after
@@ -144,19 +161,34 @@ class Core:
         )
         return Call(call.script, call.keys, args, policy, call.token, call.cost, call.mode)
 
-    def hit(self, policy: Policy, identity: Identity, cost: int) -> Call:
-        """The call that consumes ``cost`` for ``identity`` if every rate admits it."""
+    def hit(
+        self,
+        policy: Policy,
+        identity: Identity,
+        cost: int,
+        keys: tuple[str, ...] | None = None,
+    ) -> Call:
+        """The call that consumes ``cost`` for ``identity`` if every rate admits it (``keys``:
+        its keys from ``keys_of``, if the caller has them already)."""
         _check_policy(policy)
         if policy.algorithm == "concurrency":
             raise ConfigError(
                 f"policy {policy.name!r} hands out leases: use acquire(), which returns a lease "
                 "to release, instead of hit()"
             )
-        return self._call(policy, identity, cost, HIT, _TOKENS.next())
+        return self._call(policy, identity, cost, HIT, _TOKENS.next(), keys)
+
+    def keys_of(self, policy: Policy, identity: Identity) -> tuple[str, ...]:
+        """The keys of ``identity`` under ``policy`` (a checked Policy); the first is the one a
+        cached denial is filed under."""
+        plan = self._plans.get(id(policy))
+        if plan is None or plan[0] is not policy:
+            plan = self._plan(policy)
+        return self.keys.keys(policy.name, identity, plan[2])
 
     def first_key(self, policy: Policy, identity: Identity) -> str:
         """The key a cached denial of ``identity`` under ``policy`` is filed under."""
-        return self.keys.keys(policy.name, identity, get_algorithm(policy.algorithm).suffixes)[0]
+        return self.keys_of(policy, identity)[0]
 
     def peek(self, policy: Policy, identity: Identity, cost: int) -> Call:
         """The call that tells whether ``cost`` would be admitted, consuming nothing."""
@@ -175,7 +207,9 @@ class Core:
 
     def release(self, acquired: Call, identity: Identity) -> Call:
         """The call that gives back the lease taken by ``acquired``."""
-        return self._call(acquired.policy, identity, acquired.cost, RELEASE, acquired.token)
+        return self._call(
+            acquired.policy, identity, acquired.cost, RELEASE, acquired.token, acquired.keys
+        )
 
     def reset_keys(self, policy: Policy, identity: Identity) -> tuple[str, ...]:
         """The keys that ``reset`` deletes."""

@@ -282,16 +282,19 @@ class Limiter(_Base[SyncStorage]):
 
     def hit(self, policy: Policy, identity: Identity, cost: int = 1) -> Decision:
         """Consume ``cost`` if every rate of ``policy`` admits it; otherwise change nothing."""
+        core = self._core
         if (
             cost == 1
             and type(cost) is int
             and type(policy) is Policy
             and self._guard.caches(policy)
         ):
-            cached = self._guard.cached(self._core.first_key(policy, identity))
+            keys = core.keys_of(policy, identity)
+            cached = self._guard.cached(keys[0])
             if cached is not None:  # a flood on a denied key: no call is even built
                 return cached
-        return self._run(self._core.hit(policy, identity, cost))
+            return self._run(core.hit(policy, identity, 1, keys))  # keys built once
+        return self._run(core.hit(policy, identity, cost))
 
     def peek(self, policy: Policy, identity: Identity, cost: int = 1) -> Decision:
         """Whether a hit of ``cost`` would pass now, without consuming anything."""
@@ -440,16 +443,19 @@ class AsyncLimiter(_Base[AsyncStorage]):
 
     async def hit(self, policy: Policy, identity: Identity, cost: int = 1) -> Decision:
         """Consume ``cost`` if every rate of ``policy`` admits it; otherwise change nothing."""
+        core = self._core
         if (
             cost == 1
             and type(cost) is int
             and type(policy) is Policy
             and self._guard.caches(policy)
         ):
-            cached = self._guard.cached(self._core.first_key(policy, identity))
+            keys = core.keys_of(policy, identity)
+            cached = self._guard.cached(keys[0])
             if cached is not None:
                 return cached
-        return await self._run(self._core.hit(policy, identity, cost))
+            return await self._run(core.hit(policy, identity, 1, keys))  # keys built once
+        return await self._run(core.hit(policy, identity, cost))
 
     async def peek(self, policy: Policy, identity: Identity, cost: int = 1) -> Decision:
         """Whether a hit of ``cost`` would pass now, without consuming anything."""

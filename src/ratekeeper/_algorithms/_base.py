@@ -10,7 +10,7 @@ ARGV, shared by every algorithm::
     2  cost       units to consume, >= 1
     3  mode       0 = hit (consume if every rate admits), 1 = peek (read only),
                   2 = release (concurrency leases only; read only elsewhere)
-    4  token      unique per call (per-process nonce + counter): makes log members unique
+    4  token      unique per call (per-process nonce + counter): makes lease members unique
     5  margin     milliseconds every written key outlives the state it holds (clock skew)
     6  n          number of rates, then n pairs: limit, window in microseconds
     7+2n ...      then the algorithm's own arguments (gcra: a burst per rate)

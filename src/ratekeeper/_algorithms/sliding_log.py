@@ -1,25 +1,25 @@
-"""Sliding-window log: the exact algorithm, one sorted-set entry per admitted unit of cost.
+"""Sliding-window log: the exact algorithm, one logged time per admitted unit of cost.
 
-The reference below returns what ``lua/sliding_log.lua`` returns and keeps the same log. A rate
-(limit L, window W) admits a hit of cost c at time t when the entries with time in (t - W, t]
-(and any later ones) number at most L - c. An admitted hit adds c entries at time t.
+The reference below returns what ``lua/sliding_log.lua`` returns and keeps the same log: a list
+of times, oldest first, as the script keeps it in a Redis list. A rate (limit L, window W)
+admits a hit of cost c at time t when the entries with time in (t - W, t] (and any later ones)
+number at most L - c. An admitted hit adds c entries at time max(t, the newest entry): the log
+stays in time order even when a client's clock goes back, and an entry stamped later than its
+admission leaves every window later, so it can only lengthen a wait, never admit more.
 
 Deliberate differences from the script (also in its header), which change no reply and no
 stored time:
 
-* This log is a sorted list of times, and the token (ARGV 4) is unused. The script's sorted
-  set needs a member per unit, ``token.i``, to keep equal times apart, so it relies on tokens
-  being unique per call; a reused token would move members there instead of adding entries.
-* The read shortcut: the script reads the newest two entries first. It counts a window
-  (ZCOUNT) only when both are inside it and the log may hold more, looks up the entry a
-  denial waits for only when it is older than those two, and prunes only when it did not read
-  the whole log or an entry it read has left the longest window. This reference bisects and
-  prunes on every admission.
+* The token (ARGV 4) is unused on both sides: a list needs no unique members.
+* The read shortcut: the script reads the newest two entries first and searches the rest of
+  the list by index (LINDEX) only when both are inside a window, and counts a window shorter
+  than the longest only up to its limit + 1 (a larger count gives the same reply); this
+  reference bisects every window of every call.
 """
 
 from __future__ import annotations
 
-from bisect import bisect_right, insort_right
+from bisect import bisect_right
 from typing import TYPE_CHECKING
 
 from .._errors import ConfigError
@@ -72,21 +72,21 @@ def reference(keyspace: Keyspace, keys: tuple[str, ...], args: Args) -> Reply:
             reset = max(last + window - now, 0)
         reply += (remaining, reset, retry)
     if consume:
-        if newest is None or now >= newest:
-            log.extend([now] * cost)
-        else:
-            for _ in range(cost):
-                insort_right(log, now)
+        at = now if newest is None or now > newest else newest
+        log.extend([at] * cost)
         longest = max(window for _, window in args.rates)
         del log[: bisect_right(log, now - longest)]
-        keyspace.set(keys[0], log, -(-longest // 1000) + args.margin_ms, now)
+        # The log lives until its newest entry has left the longest window, plus the margin.
+        keyspace.set(keys[0], log, -(-(at - now + longest) // 1000) + args.margin_ms, now)
     return reply
 
 
 ALGORITHM = Algorithm(
     name="sliding_log",
     script="sliding_log",
-    suffixes=("log",),
+    # "times" holds a list; "log" held the earlier sorted set. The new suffix means a key left
+    # by an older version is never read as a list (WRONGTYPE): it expires by its own TTL.
+    suffixes=("times",),
     reference=reference,
     validate=validate,
 )

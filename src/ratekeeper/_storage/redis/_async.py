@@ -1,11 +1,15 @@
 """``AsyncRedisStorage``: the asyncio storage on Redis or Valkey (one server, Sentinel or Cluster).
 
 Calls are auto-batched (``_batch``): those made while a round trip is in flight go out together
-in the next one, through ``_pipeline`` on one connection (in a cluster, one per node; calls it
-cannot place or that are redirected go through redis-py's cluster client, ``_command``).
-``batching=False`` sends each call on its own: one server through ``_pipeline`` on a
-connection checked out of the pool, a cluster through ``_command``. Every script call is an
-``Exchange``, whichever way it goes.
+in the next one, on one connection (in a cluster, one per node; calls it cannot place or that
+are redirected go through redis-py's cluster client, ``_command``). ``batching=False`` sends
+each call on its own. Every script call is an ``Exchange``, whichever way it goes.
+
+Which connections carry them: to one server opened from a URL, ratekeeper's own
+(``_protocol``: ``asyncio.Protocol`` links read by hiredis), configured as redis-py would
+configure its own; where those cannot serve (a connection option only redis-py honours,
+Sentinel, a user's own client), redis-py's connections through ``_pipeline``; a cluster,
+``_pipeline`` per node and ``_command``.
 
 redis-py internals: ``client.connection_pool`` (``release``; check-out through ``_compat``);
 cluster clients' ``_initialize``, ``initialize()``, ``get_node_from_key``,
@@ -32,6 +36,7 @@ from ._errors import CLIENT_ERRORS, translate
 from ._eviction import log_eviction_warning, parse_info
 from ._exchange import Exchange
 from ._pipeline import can_keep_async, run_pipeline
+from ._protocol import Links
 from ._sentinel import master_watch
 
 __all__ = ["BATCH_LANES", "AsyncRedisStorage"]
@@ -51,8 +56,11 @@ class AsyncRedisStorage:
         also_close: tuple[Any, ...] = (),
         batching: bool = True,
         owns_client: bool = True,
+        links: Links | None = None,
     ) -> None:
         self.client = client
+        #: ratekeeper's own connections to the server, when they can serve (``_protocol``).
+        self._links = links
         self._owns_client = owns_client  # False: the user's client, theirs to close
         self._also_close = also_close  # the connections to the sentinels, if any
         self._checked_eviction = False
@@ -70,14 +78,22 @@ class AsyncRedisStorage:
         self._kept_loop: asyncio.AbstractEventLoop | None = None
         self._batcher: Batcher | None = None
         if batching:
-            send = self._send_cluster if self._cluster else self._send_single
+            if links is not None:
+                send = self._send_links
+            else:
+                send = self._send_cluster if self._cluster else self._send_single
             self._batcher = Batcher(send, lanes=BATCH_LANES)
 
     @classmethod
     def from_url(cls, url: str, *, batching: bool = True, **options: Any) -> AsyncRedisStorage:
         check_versions()
-        client, also_close = async_client(plan(url, options))
-        return cls(client, also_close=also_close, batching=batching)
+        built = plan(url, options)
+        client, also_close = async_client(built)
+        links = None
+        if built.kind == "single":
+            own_retry = "retry" in built.kwargs
+            links = Links.serving(client, own_retry=own_retry)
+        return cls(client, also_close=also_close, batching=batching, links=links)
 
     @classmethod
     def from_client(cls, client: Any, *, batching: bool = True) -> AsyncRedisStorage:
@@ -99,7 +115,9 @@ class AsyncRedisStorage:
             reply: list[int] = await self._batcher.submit(script, keys, args)
         else:
             exchange = Exchange(script, keys, args)
-            if self._cluster:
+            if self._links is not None:
+                await self._links.run([Pending(exchange, None)])
+            elif self._cluster:
                 await arun_command_path(self.client, exchange)
             else:
                 await self._drive([exchange], keep=False)
@@ -109,6 +127,10 @@ class AsyncRedisStorage:
         return reply
 
     # --- one server ------------------------------------------------------------------------
+
+    async def _send_links(self, batch: list[Pending]) -> None:
+        assert self._links is not None
+        await self._links.run(batch)
 
     async def _send_single(self, batch: list[Pending]) -> None:
         await self._drive([call.exchange for call in batch], keep=self._keep)
@@ -205,8 +227,10 @@ class AsyncRedisStorage:
     async def _check_eviction(self) -> None:
         self._checked_eviction = True
         try:
-            if self._kept and self._kept_loop is asyncio.get_running_loop():
-                info: Any = await self._info_on_kept()  # not a second connection from the pool
+            if self._links is not None:
+                info: Any = parse_info(await self._links.command("INFO", "memory"))
+            elif self._kept and self._kept_loop is asyncio.get_running_loop():
+                info = await self._info_on_kept()  # not a second connection from the pool
             else:
                 info = await self.client.info("memory")
         except (*CLIENT_ERRORS, StorageError):  # INFO may be forbidden on a managed server
@@ -233,6 +257,8 @@ class AsyncRedisStorage:
             raise translate(exc) from exc
 
     async def close(self) -> None:
+        if self._links is not None:
+            await self._links.close()
         await self._give_back()
         if self._owns_client:
             await self.client.aclose()

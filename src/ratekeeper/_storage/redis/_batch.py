@@ -37,13 +37,14 @@ class Pending:
 
     __slots__ = ("exchange", "future")
 
-    def __init__(self, exchange: Exchange, future: asyncio.Future[Any]) -> None:
+    def __init__(self, exchange: Exchange, future: asyncio.Future[Any] | None) -> None:
         self.exchange = exchange
+        #: None: the caller reads the exchange itself once its transport returns.
         self.future = future
 
     def settle(self) -> None:
         """Hand the exchange's outcome to the caller (unless it was cancelled meanwhile)."""
-        if self.future.done():
+        if self.future is None or self.future.done():
             return
         exchange = self.exchange
         if exchange.error is not None:
@@ -55,8 +56,17 @@ class Pending:
                 RuntimeError("ratekeeper bug: a batch ended before this call's exchange did")
             )
 
+    @property
+    def cancelled(self) -> bool:
+        """Whether the caller gave up (or was answered) before the call went out."""
+        return self.future is not None and self.future.done()
+
+    def cancel(self) -> None:
+        if self.future is not None:
+            self.future.cancel()
+
     def fail(self, exc: BaseException) -> None:
-        if not self.future.done():
+        if self.future is not None and not self.future.done():
             self.future.set_exception(exc)
 
 
@@ -106,14 +116,14 @@ class Batcher:
                 batch = queue[: self._max_batch]
                 del queue[: self._max_batch]
                 # A caller cancelled before its call went out consumes nothing.
-                batch = [call for call in batch if not call.future.done()]
+                batch = [call for call in batch if not call.cancelled]
                 if not batch:
                     continue
                 try:
                     await self._send(batch)
                 except asyncio.CancelledError:
                     for call in batch:
-                        call.future.cancel()
+                        call.cancel()
                     raise
                 except Exception as exc:  # a bug, not the store: it reaches the callers
                     for call in batch:

@@ -1,0 +1,512 @@
+"""The asyncio transport to one server: ``asyncio.Protocol`` connections read by hiredis.
+
+A ``Link`` is one connection. ``Link.send`` writes a packed round of commands in one
+``transport.write`` and returns a ``Round``; ``data_received`` feeds hiredis and hands each
+reply to the exchanges of the calls it answers as it arrives: a call whose exchange ends there
+is resolved there (its caller runs on the loop's next turn), one that needs another command
+(NOSCRIPT) waits for the next round; the link goes back to the pool as the round ends, and the
+round's future wakes the lane's task, which sends what is left or the next batch. No stream
+reader, no coroutine per reply: a round of 200 script calls costs one write, the reads the
+kernel makes, and one wake-up of the task that sent it.
+
+``Links`` opens and keeps them, configured as redis-py would configure its own connection for
+the same client: the same host and port, unix socket path or TLS context (built by redis-py's
+``SSLConnection`` from the same options), then ``AUTH`` (username and password, or password),
+``CLIENT SETNAME`` and ``SELECT``, sent together, in RESP2. Only a client that redis-py would
+connect that way is served here (``Links.serving``): a connection class, a credential
+provider, RESP3, a retry or any other connection option of the user's keeps redis-py's own
+connections (``_pipeline``), as do clusters, Sentinel and a client of the user's.
+
+What happens to the calls is the exchange's rule (``_exchange``), driven by ``run``:
+
+- a link found closed before the write (the loop saw the server close it, or, not over TLS,
+  its socket is readable while idle: the server's FIN not yet seen by the loop) is replaced and
+  the round goes out on a fresh one, once per call (``unsent(broke=True)``); a link that
+  cannot be opened ends the calls (``unsent(broke=False)``);
+- no reply in time: the link is closed, and every call of the round without a reply ends with
+  a timeout, never sent again; a link lost after the write ends the calls still waiting, and
+  only those (a round is on one link), never sent again;
+- replies are classified by ``_errors.translate`` through the exchange; error replies are the
+  exception objects redis-py's parser builds (``BaseParser.parse_error``).
+
+Anything else raised while a round runs (a bug, a cancellation; in ``data_received`` too,
+where the round's waiter gets it) closes the link, whose replies may still be on their way, and
+propagates: the batcher hands it to every caller of the batch not answered yet.
+
+redis-py internals: ``redis._parsers.BaseParser.parse_error`` (a classmethod in every
+supported version); the pool's ``connection_class`` and ``connection_kwargs``; an asyncio
+``SSLConnection``'s ``ssl_context.get()`` for TLS.
+Tested with redis-py 5.0.1 (the floor) to 8.1.0, in CI's three environments.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import select
+from collections import deque
+from typing import Any
+
+import hiredis
+import redis
+import redis.asyncio
+from redis._parsers import BaseParser
+from redis.exceptions import InvalidResponse
+
+from ._batch import Pending
+from ._blocking import pack_command
+from ._errors import CLIENT_ERRORS, as_broken
+from ._exchange import DONE
+
+__all__ = ["Link", "Links", "Round"]
+
+#: What the hiredis reader returns while a reply is incomplete (a RESP2 reply is never this).
+_INCOMPLETE = object()
+_CAN_POLL = hasattr(select, "poll")
+#: The asyncio connection classes whose connections a link makes the same way.
+_PLAIN = redis.asyncio.Connection
+_UNIX = redis.asyncio.UnixDomainSocketConnection
+_TLS = redis.asyncio.SSLConnection
+#: Connection options a link honours (or that change nothing for it). ``retry`` is the one
+#: ``_config`` sets (the exchange's rule replaces it); a user's own keeps redis-py's path.
+_HONOURED = frozenset(
+    {
+        "host",
+        "port",
+        "path",
+        "db",
+        "username",
+        "password",
+        "client_name",
+        "socket_timeout",
+        "socket_connect_timeout",
+        "decode_responses",  # script replies are integers; INFO is parsed either way
+        "encoding",
+        "encoding_errors",
+        "retry",
+        "protocol",
+        "lib_name",
+        "lib_version",
+        "health_check_interval",
+        "ssl_keyfile",
+        "ssl_certfile",
+        "ssl_cert_reqs",
+        "ssl_ca_certs",
+        "ssl_ca_data",
+        "ssl_check_hostname",
+        "ssl_min_version",
+        "ssl_ciphers",
+    }
+)
+
+
+class Round:
+    """The replies of one write: ``count`` of them, in order, into ``replies``. With ``slots``
+    (the calls each reply answers), each reply is handed to its calls as it arrives: a call
+    whose exchange it ends is settled there and then; the others wait in ``again`` for the
+    next round."""
+
+    __slots__ = ("again", "count", "future", "pool", "replies", "slots")
+
+    def __init__(
+        self,
+        count: int,
+        future: asyncio.Future[None],
+        slots: list[list[Pending]] | None,
+        pool: Links | None,
+    ) -> None:
+        self.count = count
+        self.future = future
+        self.slots = slots
+        #: Where the link goes back once the round ends with every call settled: at once, so
+        #: that the callers it wakes find it idle.
+        self.pool = pool
+        self.replies: list[Any] = []
+        self.again: list[Pending] = []
+
+
+class Link(asyncio.Protocol):
+    """One connection: rounds written in one go, replies read by hiredis as they arrive."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.transport: asyncio.Transport | None = None
+        self.reader = hiredis.Reader(
+            protocolError=InvalidResponse,
+            replyError=BaseParser.parse_error,
+            notEnoughData=_INCOMPLETE,
+        )
+        self.rounds: deque[Round] = deque()
+        #: Set once the connection is lost (then ``rounds`` is empty for good).
+        self.lost: BaseException | None = None
+        self.gone: asyncio.Future[None] = loop.create_future()
+        self._poller: Any = None
+
+    # --- asyncio.Protocol -------------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+        sock = transport.get_extra_info("socket")
+        if _CAN_POLL and sock is not None and transport.get_extra_info("sslcontext") is None:
+            # TLS's own records can make an idle socket readable: there only the loop counts.
+            self._poller = select.poll()
+            self._poller.register(sock.fileno(), select.POLLIN)
+
+    def data_received(self, data: bytes) -> None:
+        reader = self.reader
+        reader.feed(data)
+        rounds = self.rounds
+        try:
+            reply = reader.gets()
+            while reply is not _INCOMPLETE:
+                if not rounds:  # a reply nobody asked for: out of step
+                    raise InvalidResponse("a reply arrived for no command")
+                current = rounds[0]
+                replies = current.replies
+                slots = current.slots
+                if slots is not None:
+                    for call in slots[len(replies)]:
+                        if call.exchange.replied(reply) == DONE:
+                            call.settle()
+                        else:
+                            current.again.append(call)
+                replies.append(reply)
+                if len(replies) == current.count:
+                    rounds.popleft()
+                    if current.pool is not None and not current.again:
+                        current.pool.give(self)
+                    if not current.future.done():
+                        current.future.set_result(None)
+                reply = reader.gets()
+        except InvalidResponse as exc:
+            self.abort(exc)
+        except Exception as exc:  # a bug, not the store: the round's waiter raises it
+            self.abort(exc)
+
+    def eof_received(self) -> bool:
+        return False  # close the transport: connection_lost follows
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        lost = exc if exc is not None else redis.ConnectionError("Connection closed by server.")
+        self._fail(lost)
+        if not self.gone.done():
+            self.gone.set_result(None)
+
+    # --- used by ``run`` --------------------------------------------------------------------
+
+    @property
+    def usable(self) -> bool:
+        """Open, and not found readable while idle (which means closed by the server, or out
+        of step either way). Checked before each write."""
+        transport = self.transport
+        if self.lost is not None or transport is None or transport.is_closing():
+            return False
+        poller = self._poller
+        return poller is None or bool(self.rounds) or not poller.poll(0)
+
+    def send(
+        self,
+        packed: bytes,
+        count: int,
+        slots: list[list[Pending]] | None = None,
+        pool: Links | None = None,
+    ) -> Round:
+        """Write ``packed`` (``count`` commands) and return the round their replies go to
+        (and, with ``slots``, the calls each answers; with ``pool``, where the link goes back
+        once they are all settled)."""
+        current = Round(count, self.loop.create_future(), slots, pool)
+        self.rounds.append(current)
+        assert self.transport is not None
+        self.transport.write(packed)
+        return current
+
+    def abort(self, exc: BaseException) -> None:
+        """Close at once: every round still waiting fails with ``exc``."""
+        self._fail(exc)
+        if self.transport is not None:
+            self.transport.abort()
+
+    def _fail(self, exc: BaseException) -> None:
+        if self.lost is None:
+            self.lost = exc
+        rounds, self.rounds = self.rounds, deque()
+        for waiting in rounds:
+            if not waiting.future.done():
+                waiting.future.set_exception(exc)
+                waiting.future.exception()  # retrieved: a round nobody awaits logs nothing
+
+    async def close(self) -> None:
+        if self.transport is not None and not self.gone.done():
+            self.abort(redis.ConnectionError("closed by ratekeeper"))
+            await self.gone
+
+
+class Links:
+    """The links of one asyncio storage, to one server: opened on demand, kept while idle."""
+
+    def __init__(
+        self,
+        *,
+        address: dict[str, Any],
+        handshake: tuple[tuple[Any, ...], ...],
+        timeout: float | None,
+        connect_timeout: float | None,
+        ssl: Any = None,
+        max_links: int | None = None,
+    ) -> None:
+        self.address = address
+        self.handshake = handshake
+        self.timeout = timeout
+        self.connect_timeout = connect_timeout
+        self.ssl = ssl
+        self.max_links = max_links
+        self.idle: list[Link] = []
+        self.every: set[Link] = set()  # links made and not lost: idle or in use
+        self.loop: asyncio.AbstractEventLoop | None = None
+
+    @classmethod
+    def serving(cls, client: Any, *, own_retry: bool) -> Links | None:
+        """Links made as ``client`` (a ``redis.asyncio.Redis``) would make its connections, or
+        None when it is configured in a way only redis-py's own connections honour (see the
+        module's comment). ``own_retry``: the user gave the client a ``retry`` of their own."""
+        pool = getattr(client, "connection_pool", None)
+        if (
+            type(client) is not redis.asyncio.Redis
+            or type(pool) is not redis.asyncio.ConnectionPool
+        ):
+            return None
+        kind = pool.connection_class
+        kwargs: dict[str, Any] = dict(pool.connection_kwargs)
+        if (
+            kind not in (_PLAIN, _UNIX, _TLS)
+            or own_retry
+            or set(kwargs) - _HONOURED
+            or kwargs.get("protocol") not in (None, 2, "2")
+            or kwargs.get("health_check_interval", 0)
+        ):
+            return None
+        handshake: list[tuple[Any, ...]] = []
+        username, password = kwargs.get("username"), kwargs.get("password")
+        if username or password:
+            handshake.append(("AUTH", username, password or "") if username else ("AUTH", password))
+        if kwargs.get("client_name"):
+            handshake.append(("CLIENT", "SETNAME", kwargs["client_name"]))
+        if kwargs.get("db"):
+            handshake.append(("SELECT", kwargs["db"]))
+        ssl = None
+        if kind is _UNIX:
+            address: dict[str, Any] = {"path": kwargs.get("path", "")}
+        else:
+            address = {
+                "host": kwargs.get("host", "localhost"),
+                "port": int(kwargs.get("port", 6379)),
+            }
+            if kind is _TLS:
+                ssl = kind(**kwargs).ssl_context.get()  # redis-py's context for these options
+        max_links = pool.max_connections if pool.max_connections < 2**31 else None
+        return cls(
+            address=address,
+            handshake=tuple(handshake),
+            timeout=kwargs.get("socket_timeout"),
+            connect_timeout=kwargs.get("socket_connect_timeout"),
+            ssl=ssl,
+            max_links=max_links,
+        )
+
+    # --- links ------------------------------------------------------------------------------
+
+    def take(self) -> Link | None:
+        """An idle link of the running loop, or None."""
+        loop = asyncio.get_running_loop()
+        if loop is not self.loop:
+            # Links belong to the loop that opened them; those of a finished loop are
+            # forgotten (the loop closed its transports, or will when it is closed).
+            self.loop = loop
+            self.idle = []
+            self.every = set()
+        idle = self.idle
+        while idle:
+            link = idle.pop()
+            if link.lost is None:
+                return link
+        return None
+
+    def give(self, link: Link | None) -> None:
+        """Keep ``link`` for the next caller (if it is fine and still of this loop)."""
+        if link is None:
+            return
+        if link.lost is None and not link.rounds and link.loop is self.loop:
+            self.idle.append(link)
+        elif link.lost is None:
+            link.abort(redis.ConnectionError("a link out of step is not reused"))
+
+    async def connect(self) -> Link:
+        """A new link, connected and configured; redis-py's errors if it cannot be."""
+        loop = asyncio.get_running_loop()
+        if self.max_links is not None and len(self.every) >= self.max_links:
+            raise redis.ConnectionError("Too many connections")
+        link = Link(loop)
+        try:
+            if "path" in self.address:
+                opening = loop.create_unix_connection(lambda: link, self.address["path"])
+            else:
+                opening = loop.create_connection(
+                    lambda: link, self.address["host"], self.address["port"], ssl=self.ssl
+                )
+            try:
+                await asyncio.wait_for(opening, self.connect_timeout)
+            except (TimeoutError, asyncio.TimeoutError):
+                raise redis.TimeoutError("Timeout connecting to server") from None
+            except OSError as exc:
+                raise redis.ConnectionError(f"Error connecting to the server: {exc}") from exc
+            self.every.add(link)
+            link.gone.add_done_callback(lambda _: self.every.discard(link))
+            if self.handshake:
+                await self._configure(link)
+        except BaseException as exc:
+            link.abort(exc if isinstance(exc, Exception) else redis.ConnectionError("cancelled"))
+            raise
+        return link
+
+    async def _configure(self, link: Link) -> None:
+        """AUTH, CLIENT SETNAME and SELECT in one round, as redis-py sends them."""
+        packed = b"".join(pack_command(command) for command in self.handshake)
+        replies = await self.round_trip(link, packed, len(self.handshake))
+        for command, reply in zip(self.handshake, replies, strict=True):
+            if isinstance(reply, redis.AuthenticationError):
+                raise reply
+            if isinstance(reply, Exception) or reply not in (b"OK", "OK"):
+                what = {"AUTH": "Invalid Username or Password", "SELECT": "Invalid Database"}
+                raise redis.ConnectionError(
+                    f"{what.get(command[0], 'Error setting client name')}: {reply}"
+                )
+
+    async def round_trip(self, link: Link, packed: bytes, count: int) -> list[Any]:
+        """Write one round and wait for all its replies; redis-py's errors if the link breaks
+        or does not answer in time (then it is closed: a late reply must not be read as
+        another's)."""
+        current = link.send(packed, count)
+        if self.timeout is None:
+            await current.future
+            return current.replies
+        timer = link.loop.call_later(self.timeout, _expire, link, current, self.timeout)
+        try:
+            await current.future
+        finally:
+            timer.cancel()
+        return current.replies
+
+    async def command(self, *command: Any) -> Any:
+        """One plain command (``INFO``) on a link; redis-py's errors as they are."""
+        link = self.take() or await self.connect()
+        try:
+            (reply,) = await self.round_trip(link, pack_command(command), 1)
+        except BaseException:
+            link.abort(redis.ConnectionError("interrupted"))
+            raise
+        self.give(link)
+        if isinstance(reply, Exception):
+            raise reply
+        return reply
+
+    async def close(self) -> None:
+        """Close every link, those in use too (their calls fail as on a lost connection)."""
+        self.idle = []
+        if self.loop is not None and self.loop is asyncio.get_running_loop():
+            for link in list(self.every):
+                await link.close()
+
+    # --- driving exchanges -----------------------------------------------------------------
+
+    async def run(self, calls: list[Pending]) -> None:
+        """Drive the calls' exchanges to their end on one link of this pool, settling each
+        call as its exchange ends (see the module's comment for what happens when the link
+        breaks or the store does not answer)."""
+        link = self.take()
+        try:
+            while calls:
+                if link is not None and not link.usable:
+                    # Closed by the server while idle: nothing of this round has run.
+                    link.abort(redis.ConnectionError("closed by the server while idle"))
+                    link = None
+                    closed = redis.ConnectionError(
+                        "the server closed the connection while it was idle"
+                    )
+                    calls = [c for c in calls if c.exchange.unsent(closed, broke=True) != DONE]
+                    continue
+                if link is None:
+                    try:
+                        link = await self.connect()
+                    except CLIENT_ERRORS as exc:
+                        for call in calls:
+                            call.exchange.unsent(exc, broke=False)
+                        return
+                calls = await self._round(link, calls)
+                if link.lost is not None or not calls:
+                    # Broke during the round (the rest go on a new one), or back in the pool.
+                    link = None
+        except BaseException:
+            if link is not None:
+                link.abort(redis.ConnectionError("interrupted"))
+            raise
+        self.give(link)
+
+    async def _round(self, link: Link, calls: list[Pending]) -> list[Pending]:
+        """One round trip; returns the calls that go on to the next."""
+        if len(calls) == 1:
+            slots = [calls]
+            packed = pack_command(calls[0].exchange.command)
+        else:
+            slots, packed = _pack(calls)
+        current = link.send(packed, len(slots), slots, self)
+        error: Any = None
+        timer = (
+            None
+            if self.timeout is None
+            else link.loop.call_later(self.timeout, _expire, link, current, self.timeout)
+        )
+        try:
+            await current.future
+        except CLIENT_ERRORS as exc:
+            error = exc
+        except OSError as exc:
+            error = as_broken(exc)
+        finally:
+            if timer is not None:
+                timer.cancel()
+        if error is not None:
+            # Timed out, or lost after the write: the calls without a reply may have run.
+            timed_out = isinstance(error, redis.TimeoutError)
+            for group in slots[len(current.replies) :]:
+                for call in group:
+                    if timed_out:
+                        call.exchange.timed_out(error)
+                    else:
+                        call.exchange.lost(error)
+        return current.again
+
+
+def _expire(link: Link, current: Round, seconds: float) -> None:
+    """No reply in time: the link is closed, and its rounds fail with redis-py's timeout."""
+    if not current.future.done():
+        link.abort(redis.TimeoutError(f"no reply within {seconds} s"))
+
+
+def _pack(calls: list[Pending]) -> tuple[list[list[Pending]], bytes]:
+    """The commands of one round, and which calls each reply is for: a SCRIPT LOAD is sent
+    once for every call of the script that needs it."""
+    slots: list[list[Pending]] = []
+    loads: dict[str, list[Pending]] = {}
+    packed: list[bytes] = []
+    for call in calls:
+        exchange = call.exchange
+        if exchange.loading:
+            group = loads.get(exchange.script.sha)
+            if group is not None:
+                group.append(call)
+                continue
+            group = loads[exchange.script.sha] = [call]
+        else:
+            group = [call]
+        slots.append(group)
+        packed.append(pack_command(exchange.command))
+    return slots, b"".join(packed)

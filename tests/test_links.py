@@ -1,0 +1,300 @@
+"""ratekeeper's own asyncio connections to one server (``_storage/redis/_protocol.py``).
+
+``AsyncLimiter.from_url`` on one server runs its scripts over ``asyncio.Protocol`` links read by
+hiredis, configured as redis-py would configure its own connection for the same URL and options:
+AUTH (an ACL user), SELECT, CLIENT SETNAME, a unix socket, TLS. Where they cannot serve, redis-py's
+connections carry the calls. A lost link fails exactly the calls that were on it, which are never
+sent again. The storage suites (contract, recovery, exactness, batching, chaos, failure modes)
+run on these links too: they are what ``from_url`` gives.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import subprocess
+import tempfile
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+
+from ratekeeper import AsyncLimiter, CircuitBreaker, Decision, Policy, StorageUnavailable
+from ratekeeper._storage.redis import AsyncRedisStorage
+from ratekeeper._storage.redis._protocol import Link, Links
+
+from .delay_proxy import DelayProxy
+from .servers import RedisServer, ServerBinary, free_port
+
+PATIENT: dict[str, Any] = {"timeout": 5, "connect_timeout": 5, "failure_mode": "raise"}
+BATCHING = pytest.mark.parametrize("batching", [True, False], ids=["batching", "no-batching"])
+
+
+def _links(limiter: AsyncLimiter) -> Links | None:
+    storage = limiter.storage
+    assert isinstance(storage, AsyncRedisStorage)
+    return storage._links
+
+
+async def _hits(limiter: AsyncLimiter, policy: Policy, who: str, n: int) -> list[Decision]:
+    return list(await asyncio.gather(*(limiter.hit(policy, who) for _ in range(n))))
+
+
+def test_links_serve_what_redis_py_would_connect_the_same_way() -> None:
+    """Nothing connects here: which connections a limiter would use."""
+
+    def served(url: str, **options: Any) -> bool:
+        limiter = AsyncLimiter.from_url(url, **options)
+        return _links(limiter) is not None
+
+    assert served("redis://127.0.0.1:1/0")
+    assert served("redis://user:secret@127.0.0.1:1/3?client_name=api")
+    assert served("unix:///tmp/redis.sock?db=2")
+    assert served("rediss://127.0.0.1:1", redis_options={"ssl_cert_reqs": "none"})
+
+    # What only redis-py's own connections honour keeps them.
+    class Mine(redis.asyncio.Connection):
+        pass
+
+    assert served(
+        "redis://127.0.0.1:1", redis_options={"connection_class": redis.asyncio.Connection}
+    )
+    assert not served("redis://127.0.0.1:1", redis_options={"connection_class": Mine})
+    assert not served("redis://127.0.0.1:1", redis_options={"protocol": 3})
+    assert not served("redis://127.0.0.1:1", redis_options={"socket_keepalive": True})
+    assert not served("redis://127.0.0.1:1", redis_options={"health_check_interval": 5})
+    retry = redis.asyncio.retry.Retry(redis.backoff.NoBackoff(), 3)
+    assert not served("redis://127.0.0.1:1", redis_options={"retry": retry})
+    assert not served("redis+cluster://127.0.0.1:1,127.0.0.1:2")
+    assert not served("redis+sentinel://127.0.0.1:1/mymaster")
+    client = redis.asyncio.Redis(host="127.0.0.1", port=1)
+    assert _links(AsyncLimiter.from_client(client)) is None
+
+
+@pytest.fixture
+def acl_user(server: RedisServer) -> Iterator[tuple[str, str]]:
+    name, password = f"rk-{uuid.uuid4().hex[:8]}", "s3cret:@/"
+    with server.client() as admin:
+        admin.acl_setuser(
+            name, enabled=True, passwords=[f"+{password}"], keys=["*"], commands=["+@all"]
+        )
+        yield name, password
+        admin.acl_deluser(name)
+
+
+@BATCHING
+def test_auth_select_and_client_name_as_redis_py(
+    server: RedisServer, acl_user: tuple[str, str], key_prefix: str, batching: bool
+) -> None:
+    user, password = acl_user
+    quoted = password.replace(":", "%3A").replace("@", "%40").replace("/", "%2F")
+    client_name = f"rk-links-{key_prefix}"
+    url = f"redis://{user}:{quoted}@127.0.0.1:{server.port}/5?client_name={client_name}"
+    policy = Policy("acl", "5/minute")
+
+    async def main() -> tuple[list[Decision], list[dict[str, Any]]]:
+        async with AsyncLimiter.from_url(
+            url, key_prefix=key_prefix, batching=batching, **PATIENT
+        ) as limiter:
+            assert _links(limiter) is not None
+            decisions = await _hits(limiter, policy, "a", 7)
+            with server.client() as admin:
+                clients = [c for c in admin.client_list() if c["name"] == client_name]
+            (key,) = limiter.keys(policy, "a")
+        with redis.Redis(port=server.port, db=5) as in_db_5:
+            assert in_db_5.exists(key)
+        with server.client() as in_db_0:
+            assert not in_db_0.exists(key)
+        return decisions, clients
+
+    decisions, clients = asyncio.run(main())
+    assert sum(d.allowed for d in decisions) == 5  # in any order: unbatched calls race
+    assert sorted(d.remaining for d in decisions if d.allowed) == [0, 1, 2, 3, 4]
+    assert clients, "no connection with the configured client name"
+    assert all((c["user"], c["db"]) == (user, "5") for c in clients)
+
+
+@BATCHING
+def test_a_wrong_password_is_a_store_failure(
+    server: RedisServer, acl_user: tuple[str, str], key_prefix: str, batching: bool
+) -> None:
+    user, _ = acl_user
+    url = f"redis://{user}:wrong@127.0.0.1:{server.port}/0"
+    policy = Policy("acl", "5/minute")
+
+    async def main() -> tuple[BaseException | None, Decision]:
+        caught = None
+        async with AsyncLimiter.from_url(
+            url, key_prefix=key_prefix, batching=batching, **PATIENT
+        ) as limiter:
+            try:
+                await limiter.hit(policy, "a")
+            except StorageUnavailable as exc:
+                caught = exc
+        async with AsyncLimiter.from_url(
+            url, key_prefix=key_prefix, batching=batching, failure_mode="open"
+        ) as limiter:
+            return caught, await limiter.hit(policy, "a")
+
+    caught, opened = asyncio.run(main())
+    assert isinstance(caught, StorageUnavailable)
+    assert isinstance(caught.__cause__, redis.AuthenticationError)
+    assert opened.allowed
+    assert opened.degraded
+    assert opened.reason == "unavailable/open"
+
+
+@pytest.fixture
+def unix_server(binaries: list[ServerBinary]) -> Iterator[tuple[RedisServer, str]]:
+    directory = tempfile.mkdtemp(prefix="rk-unix-")
+    path = str(Path(directory) / "redis.sock")
+    server = RedisServer(binaries[0], "--unixsocket", path, "--unixsocketperm", "700").start()
+    try:
+        yield server, path
+    finally:
+        server.stop()
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+@BATCHING
+def test_a_unix_socket(unix_server: tuple[RedisServer, str], batching: bool) -> None:
+    server, path = unix_server
+    policy = Policy("unix", "10/minute")
+
+    async def main() -> tuple[list[Decision], str]:
+        async with AsyncLimiter.from_url(
+            f"unix://{path}?db=2", batching=batching, **PATIENT
+        ) as lim:
+            assert _links(lim) is not None
+            decisions = await _hits(lim, policy, "a", 12)
+            (key,) = lim.keys(policy, "a")
+            return decisions, key
+
+    decisions, key = asyncio.run(main())
+    assert sum(d.allowed for d in decisions) == 10
+    with redis.Redis(port=server.port, db=2) as in_db_2, server.client() as in_db_0:
+        assert in_db_2.exists(key)
+        assert not in_db_0.exists(key)
+
+
+def _tls_server(binary: ServerBinary, directory: Path) -> tuple[subprocess.Popen[bytes], int]:
+    if shutil.which("openssl") is None:
+        pytest.fail("the TLS test needs the openssl command to make its certificate")
+    cert, key = directory / "cert.pem", directory / "key.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+         "-keyout", str(key), "-out", str(cert), "-subj", "/CN=127.0.0.1",
+         "-addext", "subjectAltName=IP:127.0.0.1"],
+        check=True, capture_output=True,
+    )  # fmt: skip
+    port = free_port()
+    proc = subprocess.Popen(
+        [binary.path, "--port", "0", "--tls-port", str(port), "--bind", "127.0.0.1",
+         "--tls-cert-file", str(cert), "--tls-key-file", str(key),
+         "--tls-ca-cert-file", str(cert), "--tls-auth-clients", "no",
+         "--save", "", "--appendonly", "no", "--dir", str(directory)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            with redis.Redis(
+                host="127.0.0.1", port=port, ssl=True, ssl_ca_certs=str(cert)
+            ) as probe:
+                probe.ping()
+            return proc, port
+        except redis.ConnectionError:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                proc.kill()
+                proc.wait(10)
+                pytest.fail(f"{binary.path} did not serve TLS on {port}")
+            time.sleep(0.02)
+
+
+@BATCHING
+def test_tls(binaries: list[ServerBinary], batching: bool) -> None:
+    directory = Path(tempfile.mkdtemp(prefix="rk-tls-"))
+    proc, port = _tls_server(binaries[0], directory)
+    cert = str(directory / "cert.pem")
+    policy = Policy("tls", "10/minute")
+
+    async def main() -> tuple[list[Decision], bool]:
+        async with AsyncLimiter.from_url(
+            f"rediss://127.0.0.1:{port}/0",
+            batching=batching,
+            redis_options={"ssl_ca_certs": cert},  # the server's certificate is verified
+            **PATIENT,
+        ) as limiter:
+            links = _links(limiter)
+            assert links is not None
+            assert links.ssl is not None
+            decisions = await _hits(limiter, policy, "a", 12)
+            encrypted = all(
+                link.transport is not None and link.transport.get_extra_info("sslcontext")
+                for link in links.idle
+            )
+            return decisions, encrypted and bool(links.idle)
+
+    try:
+        decisions, encrypted = asyncio.run(main())
+    finally:
+        proc.terminate()
+        proc.wait(10)
+        shutil.rmtree(directory, ignore_errors=True)
+    assert sum(d.allowed for d in decisions) == 10
+    assert encrypted
+
+
+def test_a_lost_link_fails_exactly_its_own_calls_never_sent_again(
+    server: RedisServer, key_prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two lanes' batches in flight on two links; one link is lost after its write: its calls
+    fail (StorageUnavailable), the other lane's succeed, and the lost calls ran once each on the
+    server (the write reached it), never twice."""
+    opened: list[Link] = []
+    connect = Links.connect
+
+    async def recording(self: Links) -> Link:
+        link = await connect(self)
+        opened.append(link)
+        return link
+
+    monkeypatch.setattr(Links, "connect", recording)
+    policy = Policy("lost", "100/minute")
+    # The lost calls are failures: the breaker must not answer the peeks that count the runs.
+    untripped = CircuitBreaker(consecutive_failures=1000, min_calls=1000)
+    who = [f"id-{i}" for i in range(40)]
+
+    async def main(proxy: DelayProxy) -> tuple[list[Any], list[Decision], list[int]]:
+        async with AsyncLimiter.from_url(
+            proxy.url, key_prefix=key_prefix, breaker=untripped, **PATIENT
+        ) as limiter:
+            await asyncio.gather(*(limiter.peek(policy, w) for w in who))  # opens both lanes
+            assert len(opened) == 2
+            proxy.delay = 0.5  # replies held: both batches stay in flight
+            calls = asyncio.gather(*(limiter.hit(policy, w) for w in who), return_exceptions=True)
+            while not all(link.rounds for link in opened):
+                await asyncio.sleep(0)  # until both lanes have written their batch
+            victim = opened[0]
+            lanes = [victim.rounds[0].count, opened[1].rounds[0].count]
+            assert victim.transport is not None
+            victim.transport.abort()
+            results = await calls
+            proxy.delay = 0.0
+            after = [await limiter.peek(policy, w) for w in who]
+            return results, after, lanes
+
+    with DelayProxy(server.port) as proxy:
+        results, after, lanes = asyncio.run(main(proxy))
+    lost = [i for i, r in enumerate(results) if isinstance(r, StorageUnavailable)]
+    kept = [i for i, r in enumerate(results) if isinstance(r, Decision)]
+    assert len(lost) == lanes[0]
+    assert len(kept) == lanes[1]
+    assert len(lost) + len(kept) == len(who)
+    assert all(results[i].remaining == 99 for i in kept)  # type: ignore[union-attr]
+    # Every call ran exactly once, the lost ones too (written before the link was lost).
+    assert [d.remaining for d in after] == [99] * len(who)
