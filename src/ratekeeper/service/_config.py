@@ -174,6 +174,13 @@ class LimitRule:
     metric_path: tuple[tuple[str, str | None, bool], ...] = field(default=(), repr=False)
     #: The descriptor's ``metadata`` mapping (upstream's dynamic metadata), if any.
     metadata: Mapping[str, Any] | None = field(default=None, compare=False, repr=False)
+    _values_in_stat_key: bool = field(default=False, init=False, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        # whether a level's value_to_metric puts request values in the stats key (once, not
+        # per decision)
+        values = any(level[2] for level in self.metric_path)
+        object.__setattr__(self, "_values_in_stat_key", values)
 
     @property
     def denies_all(self) -> bool:
@@ -204,7 +211,7 @@ class LimitRule:
         :attr:`stat_key`."""
         if self.detailed_metric:
             return self.domain + "".join(f".{key}_{value}" for key, value in entries)
-        if not any(level[2] for level in self.metric_path):
+        if not self._values_in_stat_key:
             return self.stat_key
         parts = [self.domain]
         for (key, value), (_, written, to_metric) in zip(entries, self.metric_path, strict=False):

@@ -14,13 +14,12 @@ from __future__ import annotations
 import asyncio
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 from .._decision import Decision
 from .._errors import ConfigError, StorageError
 from .._http import response_headers
 from .._limiter import AsyncLimiter
-from .._rates import MAX_INT
+from .._rates import MAX_INT, Rate
 from ._config import LimitRule, ServiceConfig, identity_of
 from ._metrics import ServiceMetrics
 from .rls_pb2 import HeaderValue, RateLimitDescriptor, RateLimitRequest, RateLimitResponse
@@ -32,8 +31,10 @@ UNLIMITED_REMAINING = 2**32 - 1
 
 _OK = RateLimitResponse.OK
 _OVER_LIMIT = RateLimitResponse.OVER_LIMIT
-_Unit = RateLimitResponse.RateLimit.Unit
+_RateLimit = RateLimitResponse.RateLimit
 _OverrideUnit = RateLimitDescriptor.RateLimitUnit
+#: Unit name -> the response's enum value (``Unit.Value`` is a Python-level lookup).
+_UNITS = dict(RateLimitResponse.RateLimit.Unit.items())
 
 
 class BadRequest(ValueError):
@@ -41,15 +42,18 @@ class BadRequest(ValueError):
     ``limit`` override. gRPC answers INVALID_ARGUMENT, HTTP 400."""
 
 
-@dataclass(frozen=True, slots=True)
 class _Job:
     """One descriptor to decide on the store."""
 
-    index: int
-    rule: LimitRule
-    identity: str
-    hits: int  # 0: a peek
-    entries: list[tuple[str, str]]
+    __slots__ = ("entries", "hits", "identity", "index", "own", "rule")
+
+    def __init__(self, index: int, rule: LimitRule, identity: str, hits: int, own: bool) -> None:
+        self.index = index
+        self.rule = rule
+        self.identity = identity
+        self.hits = hits  # 0: a peek
+        self.own = own  # a rule of the configuration, not a request's override
+        self.entries: list[tuple[str, str]] = []
 
 
 def _entries(descriptor: RateLimitDescriptor) -> list[tuple[str, str]]:
@@ -72,20 +76,22 @@ def _override(descriptor: RateLimitDescriptor) -> tuple[int, str] | None:
     return limit.requests_per_unit, _OverrideUnit.Name(limit.unit)
 
 
-def _current_limit(
-    status: RateLimitResponse.DescriptorStatus, rule: LimitRule, decision: Decision | None
-) -> None:
-    """The limit that decided: with several limits on one rule, the one the decision names."""
-    requests, unit = rule.current_limit(decision.rate if decision is not None else None)
-    limit = status.current_limit
+def _limit_message(rule: LimitRule, rate: Rate | None) -> RateLimitResponse.RateLimit:
+    """The ``current_limit`` of ``rule`` when ``rate`` decided: with several limits on one
+    rule, the one the decision names."""
+    requests, unit = rule.current_limit(rate)
+    limit = _RateLimit(requests_per_unit=min(requests, UNLIMITED_REMAINING), unit=_UNITS[unit])  # type: ignore[arg-type]
     if rule.name:
         limit.name = rule.name
-    limit.requests_per_unit = min(requests, UNLIMITED_REMAINING)
-    limit.unit = _Unit.Value(unit)  # type: ignore[assignment]
+    return limit
 
 
 def _seconds(status: RateLimitResponse.DescriptorStatus, seconds: float) -> None:
-    status.duration_until_reset.FromNanoseconds(max(0, math.ceil(seconds * 1e9)))
+    # Duration.FromNanoseconds, without its Python-level normalising (never negative here)
+    whole, nanos = divmod(max(0, math.ceil(seconds * 1e9)), 1_000_000_000)
+    duration = status.duration_until_reset
+    duration.seconds = whole
+    duration.nanos = nanos
 
 
 def _headline(decisions: Sequence[Decision]) -> Decision | None:
@@ -121,60 +127,44 @@ class Decider:
         self.config = config
         self.metrics = metrics
         self.response_headers = response_headers
+        # id(rule) -> (rule, its current_limit message), for the configuration in force
+        self._limits: dict[int, tuple[LimitRule, RateLimitResponse.RateLimit]] = {}
+        self._limits_of: ServiceConfig | None = None
 
     async def should_rate_limit(self, request: RateLimitRequest) -> RateLimitResponse:
         """The response to ``request``. Raises :class:`BadRequest` for a request that cannot
         be decided and ``StorageError`` when the store failed and the failure mode is
         ``"raise"``."""
         config = self.config
+        if config is not self._limits_of:  # a reload: the cached current_limits are its
+            self._limits = {}
+            self._limits_of = config
         domain = request.domain
         if not domain:
             raise BadRequest("the request has no domain")
-        if not request.descriptors:
+        descriptors = list(request.descriptors)
+        if not descriptors:
             raise BadRequest("the request has no descriptors")
-        entries = [_entries(descriptor) for descriptor in request.descriptors]
-        overrides = [_override(descriptor) for descriptor in request.descriptors]
+        entries = [_entries(descriptor) for descriptor in descriptors]
+        overrides: list[tuple[int, str] | None] | None = None
+        for descriptor in descriptors:
+            if descriptor.HasField("limit"):
+                overrides = [_override(descriptor) for descriptor in descriptors]
+                break
         try:
-            rules = config.resolve(domain, entries, overrides=overrides if any(overrides) else None)
+            rules = config.resolve(domain, entries, overrides=overrides)
         except ConfigError as exc:  # an override the algorithm refuses
             raise BadRequest(f"a descriptor's limit override is invalid: {exc}") from None
-        default_hits = request.hits_addend or 1
         response = RateLimitResponse(overall_code=_OK)
-        statuses = [response.statuses.add(code=_OK) for _ in entries]
-        jobs: list[_Job] = []
-        for index, descriptor in enumerate(request.descriptors):
-            rule = rules[index]
-            if rule is None:
-                continue  # no limit applies: OK, no current_limit, remaining 0 (as upstream)
-            status = statuses[index]
-            if rule.unlimited:
-                status.limit_remaining = UNLIMITED_REMAINING
-                continue
-            if rule.policy is None:  # requests_per_unit 0: upstream denies every request
-                _current_limit(status, rule, None)
-                status.code = _OVER_LIMIT
-                if not rule.shadow_mode:
-                    response.overall_code = _OVER_LIMIT
-                else:
-                    status.code = _OK
-                continue
-            hits = (
-                descriptor.hits_addend.value if descriptor.HasField("hits_addend") else default_hits
-            )
-            identity = identity_of(domain, entries[index])
-            jobs.append(_Job(index, rule, identity, min(hits, MAX_INT), entries[index]))
+        add = response.statuses.add
+        statuses = [add(code=_OK) for _ in descriptors]
+        jobs = self._jobs(request, descriptors, entries, overrides, rules, response, statuses)
         if not jobs:
             return response
         if len(jobs) == 1:
             decisions = [await self._decide(jobs[0])]
         else:
-            results = await asyncio.gather(
-                *(self._decide(job) for job in jobs), return_exceptions=True
-            )
-            for result in results:
-                if isinstance(result, BaseException):
-                    raise result
-            decisions = results  # type: ignore[assignment]
+            decisions = await self._decide_all(jobs)
         for job, decision in zip(jobs, decisions, strict=True):
             if self._status(domain, statuses[job.index], job, decision):
                 response.overall_code = _OVER_LIMIT
@@ -185,6 +175,53 @@ class Decider:
                     HeaderValue(key=name, value=value) for name, value in response_headers(headline)
                 )
         return response
+
+    def _jobs(
+        self,
+        request: RateLimitRequest,
+        descriptors: list[RateLimitDescriptor],
+        entries: list[list[tuple[str, str]]],
+        overrides: list[tuple[int, str] | None] | None,
+        rules: list[LimitRule | None],
+        response: RateLimitResponse,
+        statuses: list[RateLimitResponse.DescriptorStatus],
+    ) -> list[_Job]:
+        """Answer the descriptors the store need not decide; the others to decide."""
+        domain = request.domain
+        jobs: list[_Job] = []
+        for index, rule in enumerate(rules):
+            if rule is None:
+                continue  # no limit applies: OK, no current_limit, remaining 0 (as upstream)
+            status = statuses[index]
+            if rule.unlimited:
+                status.limit_remaining = UNLIMITED_REMAINING
+                continue
+            own = overrides is None or overrides[index] is None  # a rule of the configuration
+            if rule.policy is None:  # requests_per_unit 0: upstream denies every request
+                status.current_limit.CopyFrom(self._limit(rule, None, own))
+                if not rule.shadow_mode:
+                    status.code = _OVER_LIMIT
+                    response.overall_code = _OVER_LIMIT
+                continue
+            descriptor = descriptors[index]
+            if descriptor.HasField("hits_addend"):
+                hits = descriptor.hits_addend.value
+            else:
+                hits = request.hits_addend or 1
+            job = _Job(index, rule, identity_of(domain, entries[index]), min(hits, MAX_INT), own)
+            job.entries = entries[index]
+            jobs.append(job)
+        return jobs
+
+    def _limit(self, rule: LimitRule, rate: Rate | None, own: bool) -> RateLimitResponse.RateLimit:
+        """``rule``'s ``current_limit`` message; built once per rule of the configuration
+        that has one limit (it never changes), each time for an override or several limits."""
+        if not own or len(rule.limits) > 1:
+            return _limit_message(rule, rate)
+        cached = self._limits.get(id(rule))
+        if cached is None or cached[0] is not rule:
+            cached = self._limits[id(rule)] = (rule, _limit_message(rule, None))
+        return cached[1]
 
     def _status(
         self,
@@ -197,7 +234,7 @@ class Decider:
         never over: it consumes nothing, as upstream's hits_addend 0 adds nothing. A degraded
         decision's numbers are the failure mode's: only its code and wait are reported."""
         rule = job.rule
-        _current_limit(status, rule, decision)
+        status.current_limit.CopyFrom(self._limit(rule, decision.rate, job.own))
         over = not decision.allowed and job.hits > 0
         if decision.degraded:
             if over:
@@ -212,6 +249,13 @@ class Decider:
         if self.metrics is not None:
             self.metrics.decided(domain, rule.stat_key_for(job.entries), rule, decision, over)
         return status.code == _OVER_LIMIT
+
+    async def _decide_all(self, jobs: list[_Job]) -> list[Decision]:
+        results = await asyncio.gather(*(self._decide(job) for job in jobs), return_exceptions=True)
+        for result in results:
+            if isinstance(result, BaseException):
+                raise result
+        return results  # type: ignore[return-value]
 
     async def _decide(self, job: _Job) -> Decision:
         policy = job.rule.policy

@@ -115,14 +115,16 @@ class Service:
             self.decider.config = config
 
     async def _rpc(self, request: RateLimitRequest, context: Any) -> RateLimitResponse:
-        import grpc
-
         assert self.decider is not None
         try:
             return await self.decider.should_rate_limit(request)
         except BadRequest as exc:
+            import grpc  # here, not per call: an import statement costs even when loaded
+
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except StorageError as exc:
+            import grpc
+
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"the store failed: {exc}")
         raise AssertionError("unreachable: context.abort raises")
 
