@@ -24,6 +24,7 @@ import pytest
 from ratekeeper import AsyncLimiter, Decision, Limiter, Policy
 from ratekeeper._keys import Identity
 
+from .seams import Wire, spy_on_the_wire
 from .servers import RedisServer, ServerBinary, discovery, required_flavors
 
 DISCOVERY = discovery()
@@ -218,3 +219,9 @@ def sentinel_group() -> Iterator[Any]:
     group = SentinelGroup(BINARIES[0]).start()
     yield group
     group.stop()
+
+
+@pytest.fixture
+def wire(monkeypatch: pytest.MonkeyPatch) -> Wire:
+    """What asyncio connections write, counted (see ``tests/seams.py``)."""
+    return spy_on_the_wire(monkeypatch)

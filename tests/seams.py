@@ -7,8 +7,10 @@ from typing import Any
 
 import pytest
 import redis
+import redis.asyncio.connection
 
 from ratekeeper._storage.redis._exchange import Exchange
+from ratekeeper._storage.redis._protocol import Link
 
 
 def flush_after_every_load(monkeypatch: pytest.MonkeyPatch, client: redis.Redis) -> None:
@@ -25,3 +27,48 @@ def flush_after_every_load(monkeypatch: pytest.MonkeyPatch, client: redis.Redis)
         return step
 
     monkeypatch.setattr(Exchange, "replied", replied)
+
+
+EVALSHA = b"$7\r\nEVALSHA\r\n"
+
+
+class Wire:
+    """Counts what asyncio connections write: sends, and the EVALSHAs in them, per port (on
+    ratekeeper's own links to one server, and on redis-py's connections to a cluster)."""
+
+    def __init__(self) -> None:
+        self.sends: list[tuple[int, int]] = []  # (port, EVALSHA commands in the send)
+
+    def record(self, port: int, packed: Any) -> None:
+        data = packed if isinstance(packed, bytes) else b"".join(packed)
+        if EVALSHA in data:
+            self.sends.append((port, data.count(EVALSHA)))
+
+    def clear(self) -> None:
+        self.sends.clear()
+
+    @property
+    def commands(self) -> int:
+        return sum(count for _, count in self.sends)
+
+
+def spy_on_the_wire(monkeypatch: pytest.MonkeyPatch) -> Wire:
+    """Count the EVALSHAs in every asyncio write: ratekeeper's own links and redis-py's
+    connections (clusters, Sentinel, from_client)."""
+    seen = Wire()
+    original = redis.asyncio.connection.AbstractConnection.send_packed_command
+
+    async def spy(self: Any, command: Any, check_health: bool = True) -> None:
+        seen.record(self.port, command)
+        await original(self, command, check_health)
+
+    monkeypatch.setattr(redis.asyncio.connection.AbstractConnection, "send_packed_command", spy)
+    send = Link.send
+
+    def link_spy(self: Link, packed: bytes, *args: Any) -> Any:
+        assert self.transport is not None
+        seen.record(self.transport.get_extra_info("peername")[1], packed)
+        return send(self, packed, *args)
+
+    monkeypatch.setattr(Link, "send", link_spy)
+    return seen

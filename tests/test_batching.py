@@ -34,52 +34,11 @@ from ratekeeper._storage.redis import BATCH_LANES, _batch
 from ratekeeper._storage.redis._protocol import Link, Links
 
 from .delay_proxy import DelayProxy
+from .seams import Wire
 from .servers import RedisServer
 
 T0 = 1_700_000_000.0
 PATIENT: dict[str, Any] = {"timeout": 5, "connect_timeout": 5, "failure_mode": "raise"}
-EVALSHA = b"$7\r\nEVALSHA\r\n"
-
-
-class Wire:
-    """Counts what asyncio connections write: sends, and the EVALSHAs in them, per port (on
-    ratekeeper's own links to one server, and on redis-py's connections to a cluster)."""
-
-    def __init__(self) -> None:
-        self.sends: list[tuple[int, int]] = []  # (port, EVALSHA commands in the send)
-
-    def record(self, port: int, packed: Any) -> None:
-        data = packed if isinstance(packed, bytes) else b"".join(packed)
-        if EVALSHA in data:
-            self.sends.append((port, data.count(EVALSHA)))
-
-    def clear(self) -> None:
-        self.sends.clear()
-
-    @property
-    def commands(self) -> int:
-        return sum(count for _, count in self.sends)
-
-
-@pytest.fixture
-def wire(monkeypatch: pytest.MonkeyPatch) -> Wire:
-    seen = Wire()
-    original = redis.asyncio.connection.AbstractConnection.send_packed_command
-
-    async def spy(self: Any, command: Any, check_health: bool = True) -> None:
-        seen.record(self.port, command)
-        await original(self, command, check_health)
-
-    monkeypatch.setattr(redis.asyncio.connection.AbstractConnection, "send_packed_command", spy)
-    send = Link.send
-
-    def link_spy(self: Link, packed: bytes, *args: Any) -> Any:
-        assert self.transport is not None
-        seen.record(self.transport.get_extra_info("peername")[1], packed)
-        return send(self, packed, *args)
-
-    monkeypatch.setattr(Link, "send", link_spy)
-    return seen
 
 
 def _limiter(url: str, key_prefix: str, **options: Any) -> AsyncLimiter:

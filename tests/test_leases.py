@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import math
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -202,14 +203,17 @@ def test_a_crashed_holder_does_not_leak_beyond_the_timeout(leases: Leases):
     and the store drops the key by itself soon after."""
     policy = Policy("crash", "3 per 30 seconds", algorithm="concurrency")
     clock = leases.clock
+    started = time.monotonic()
     held = [leases.acquire(policy, "c") for _ in range(3)]
     assert all(lease.allowed for lease in held)
     del held  # the holder is gone: nothing releases on garbage collection
     gc.collect()
     assert leases.members(policy, "c") in (None, 3)
     ttl = leases.pttl(policy, "c")
-    # The key outlives its longest lease by the 1 s margin, and no more.
-    assert 29_000 < ttl <= 31_000
+    # The key outlives its longest lease by the 1 s margin, and no more. A server's TTL runs in
+    # real time: what has passed since the first acquire (long on a loaded machine) is gone.
+    elapsed_ms = (time.monotonic() - started) * 1000
+    assert 30_000 - elapsed_ms < ttl <= 31_000
 
     denied = leases.acquire(policy, "c")
     assert not denied.allowed

@@ -11,17 +11,13 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
-from typing import Any
 
 import grpc
-import pytest
-import redis.asyncio.connection
 
 from .delay_proxy import DelayProxy
+from .seams import Wire
 from .servers import RedisServer
 from .service_support import OURS, running, write
-
-EVALSHA = b"$7\r\nEVALSHA\r\n"
 
 CONFIG = """\
 domain: batch
@@ -31,24 +27,8 @@ descriptors:
 """
 
 
-@pytest.fixture
-def sends(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """The EVALSHA commands in each write to the store."""
-    seen: list[int] = []
-    original = redis.asyncio.connection.AbstractConnection.send_packed_command
-
-    async def spy(self: Any, command: Any, check_health: bool = True) -> None:
-        data = command if isinstance(command, bytes) else b"".join(command)
-        if EVALSHA in data:
-            seen.append(data.count(EVALSHA))
-        await original(self, command, check_health)
-
-    monkeypatch.setattr(redis.asyncio.connection.AbstractConnection, "send_packed_command", spy)
-    return seen
-
-
 def test_round_trips_are_shared(
-    tmp_path: Path, servers: dict[str, RedisServer], sends: list[int]
+    tmp_path: Path, servers: dict[str, RedisServer], wire: Wire
 ) -> None:
     config = write(tmp_path / "batch.yaml", CONFIG)
     server = next(iter(servers.values()))
@@ -60,20 +40,20 @@ def test_round_trips_are_shared(
         ):
             call = OURS.caller(channel)
             await call(OURS.request("batch", [("user", "warm")]))  # connections, scripts
-            sends.clear()
+            wire.clear()
             eight = OURS.request("batch", *[[("user", f"d{i}")] for i in range(8)])
             response = await call(eight)
             assert [s.limit_remaining for s in response.statuses] == [999] * 8
             # 8 descriptors of one request: one write per lane (two lanes), not eight
-            assert sum(sends) == 8
-            assert len(sends) <= 2
-            sends.clear()
+            assert wire.commands == 8
+            assert len(wire.sends) <= 2
+            wire.clear()
             answers = await asyncio.gather(
                 *(call(OURS.request("batch", [("user", f"r{i}")])) for i in range(64))
             )
             assert all(a.overall_code == OURS.code("OK") for a in answers)
-            assert sum(sends) == 64
-            assert len(sends) <= 8  # overlapping RPCs shared writes (4 measured)
+            assert wire.commands == 64
+            assert len(wire.sends) <= 8  # overlapping RPCs shared writes (4 measured)
 
     with DelayProxy(server.port, delay=0.05) as proxy:
         asyncio.run(main(proxy.url))
