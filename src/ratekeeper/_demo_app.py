@@ -8,7 +8,7 @@ from typing import Any
 
 from ._limiter import AsyncLimiter
 from ._policy import Policy
-from .asgi import RateLimitMiddleware, Rule
+from .asgi import RateLimitMiddleware, Rule, answer_lifespan
 
 __all__ = ["build_app"]
 
@@ -19,13 +19,8 @@ SEARCH = Policy("demo-search", "2 per 10 seconds", algorithm="gcra")
 
 async def _sample_api(scope: MutableMapping[str, Any], receive: Any, send: Any) -> None:
     if scope["type"] == "lifespan":
-        while True:
-            message = await receive()
-            if message["type"] == "lifespan.startup":
-                await send({"type": "lifespan.startup.complete"})
-            elif message["type"] == "lifespan.shutdown":
-                await send({"type": "lifespan.shutdown.complete"})
-                return
+        await answer_lifespan(receive, send)
+        return
     path = scope["path"]
     payload: dict[str, Any]
     if path == "/health":

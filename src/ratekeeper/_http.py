@@ -59,6 +59,7 @@ __all__ = [
     "StoreCall",
     "anonymous_identity",
     "drive_async",
+    "drive_blocking",
     "drive_sync",
     "headers_for",
     "is_preflight",
@@ -862,6 +863,15 @@ def _cached(limiter: Limiter | AsyncLimiter, call: StoreCall) -> Decision | None
     return None if deny is None else deny.lookup(key, call.cost)
 
 
+def _call_blocking(limiter: Limiter, step: StoreCall) -> Any:
+    """One store call of ``admit`` or ``settle`` on a blocking limiter."""
+    if step.cached:
+        return _cached(limiter, step)
+    if step.peek:
+        return limiter.peek(step.policy, step.identity, step.cost)
+    return limiter.hit(step.policy, step.identity, step.cost)
+
+
 def drive_sync(steps: Steps, limiter: Limiter) -> Any:
     """Run ``admit`` or ``settle`` on a blocking limiter; their result."""
     reply: Any = None
@@ -872,12 +882,23 @@ def drive_sync(steps: Steps, limiter: Limiter) -> Any:
             return done.value
         if type(step) is not StoreCall:
             raise TypeError(f"a sync driver cannot await {step!r}")
-        if step.cached:
-            reply = _cached(limiter, step)
-        elif step.peek:
-            reply = limiter.peek(step.policy, step.identity, step.cost)
+        reply = _call_blocking(limiter, step)
+
+
+async def drive_blocking(steps: Steps, limiter: Limiter) -> Any:
+    """Run ``admit`` or ``settle`` with a blocking limiter's store calls, awaiting async
+    callables: for an async view on an event loop that lives for one request (Django under
+    WSGI), where an asyncio connection would outlive its loop."""
+    reply: Any = None
+    while True:
+        try:
+            step = steps.send(reply)
+        except StopIteration as done:
+            return done.value
+        if type(step) is StoreCall:
+            reply = _call_blocking(limiter, step)
         else:
-            reply = limiter.hit(step.policy, step.identity, step.cost)
+            reply = await step  # type: ignore[misc]
 
 
 async def drive_async(steps: Steps, limiter: AsyncLimiter) -> Any:

@@ -259,6 +259,18 @@ def _merge(
     return [(n, v) for n, v in app_headers if n.lower() not in names] + ours
 
 
+async def answer_lifespan(receive: Receive, send: Send) -> None:
+    """Answer an ASGI lifespan scope (startup, shutdown) for an app with nothing to set up:
+    the demo's sample API and the decision service's HTTP app."""
+    while True:
+        message = await receive()
+        if message["type"] == "lifespan.startup":
+            await send({"type": "lifespan.startup.complete"})
+        elif message["type"] == "lifespan.shutdown":
+            await send({"type": "lifespan.shutdown.complete"})
+            return
+
+
 def _with_headers(send: Send, headers: list[tuple[str, str]]) -> Send:
     encoded = _encode(headers)
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import functools
 import re
-from collections.abc import Awaitable, Callable, Generator, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
 from asgiref.sync import iscoroutinefunction, markcoroutinefunction
@@ -39,8 +39,8 @@ from .._http import (
     Limiting,
     Rule,
     Steps,
-    StoreCall,
     drive_async,
+    drive_blocking,
     drive_sync,
     warn_memory_under_workers,
 )
@@ -99,25 +99,6 @@ def _run_sync(
     return _with_headers(response, headers)
 
 
-def _one(step: StoreCall) -> Generator[StoreCall, Any, Any]:
-    reply = yield step
-    return reply
-
-
-async def _drive_blocking(steps: Steps, limiter: Limiter) -> Any:
-    """``drive_async`` with the blocking limiter's store calls (made by ``drive_sync``)."""
-    reply: Any = None
-    while True:
-        try:
-            step = steps.send(reply)
-        except StopIteration as done:
-            return done.value
-        if isinstance(step, StoreCall):
-            reply = drive_sync(_one(step), limiter)
-        else:
-            reply = await step
-
-
 async def _run_async(
     limiting: Limiting, conf: Config, request: HttpRequest, handler: Callable[[], Awaitable[Any]]
 ) -> Any:
@@ -131,7 +112,7 @@ async def _run_async(
         limiter = conf.limiter()
 
         def drive(steps: Steps) -> Awaitable[Any]:
-            return _drive_blocking(steps, limiter)
+            return drive_blocking(steps, limiter)
     else:
         async_limiter = conf.async_limiter()
 

@@ -20,6 +20,7 @@ from typing import Any
 from google.protobuf import json_format
 
 from .._errors import StorageError
+from ..asgi import answer_lifespan
 from ._decide import BadRequest, Decider
 from ._metrics import ServiceMetrics
 from .rls_pb2 import RateLimitRequest, RateLimitResponse
@@ -64,13 +65,8 @@ class ServiceApp:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
-            while True:
-                message = await receive()
-                if message["type"] == "lifespan.startup":
-                    await send({"type": "lifespan.startup.complete"})
-                elif message["type"] == "lifespan.shutdown":
-                    await send({"type": "lifespan.shutdown.complete"})
-                    return
+            await answer_lifespan(receive, send)
+            return
         if scope["type"] != "http":
             return
         path, method = scope["path"], scope["method"]

@@ -29,7 +29,8 @@ from __future__ import annotations
 import asyncio
 import select
 import sys
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 import redis
 import redis.asyncio
@@ -37,6 +38,8 @@ import redis.asyncio
 from ._blocking import pack_command
 from ._errors import CLIENT_ERRORS, REROUTE, as_broken, as_timeout
 from ._exchange import DONE, RECONNECT, Exchange
+
+_T = TypeVar("_T")
 
 if sys.version_info >= (3, 11):
     from asyncio import timeout as _deadline
@@ -107,7 +110,7 @@ async def _round(
             next_step(exchange, exchange.unsent(closed, broke=True))
         return again
 
-    slots, packed = _pack(exchanges)
+    slots, packed = pack_round(exchanges, _itself)
     try:
         await connection.send_packed_command(packed, False)
     except _TIMEOUTS as exc:
@@ -148,24 +151,32 @@ async def _round(
     return again
 
 
-def _pack(exchanges: list[Exchange]) -> tuple[list[list[Exchange]], bytes]:
-    """The commands of one round, and which exchanges each reply is for: a SCRIPT LOAD is sent
-    once for every call of the script that needs it."""
-    slots: list[list[Exchange]] = []
-    loads: dict[str, list[Exchange]] = {}
+def pack_round(
+    items: Sequence[_T], exchange_of: Callable[[_T], Exchange]
+) -> tuple[list[list[_T]], bytes]:
+    """The commands of one round, and which items each reply is for: a SCRIPT LOAD is sent
+    once for every call of the script that needs it. Both asyncio transports (redis-py's
+    connections here, ratekeeper's own links in ``_protocol``) pack their rounds with it."""
+    slots: list[list[_T]] = []
+    loads: dict[str, list[_T]] = {}
     packed: list[bytes] = []
-    for exchange in exchanges:
+    for item in items:
+        exchange = exchange_of(item)
         if exchange.loading:
             group = loads.get(exchange.script.sha)
             if group is not None:
-                group.append(exchange)
+                group.append(item)
                 continue
-            group = loads[exchange.script.sha] = [exchange]
+            group = loads[exchange.script.sha] = [item]
         else:
-            group = [exchange]
+            group = [item]
         slots.append(group)
         packed.append(pack_command(exchange.command))
     return slots, b"".join(packed)
+
+
+def _itself(exchange: Exchange) -> Exchange:
+    return exchange
 
 
 def _closed_while_idle(connection: Any) -> bool:

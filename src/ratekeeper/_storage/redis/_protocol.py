@@ -55,7 +55,8 @@ from redis.exceptions import InvalidResponse
 from ._batch import Pending
 from ._blocking import pack_command
 from ._errors import CLIENT_ERRORS, as_broken
-from ._exchange import DONE
+from ._exchange import DONE, Exchange
+from ._pipeline import pack_round
 
 __all__ = ["Link", "Links", "Round"]
 
@@ -456,7 +457,7 @@ class Links:
             slots = [calls]
             packed = pack_command(calls[0].exchange.command)
         else:
-            slots, packed = _pack(calls)
+            slots, packed = pack_round(calls, _exchange_of)
         current = link.send(packed, len(slots), slots, self)
         error: Any = None
         timer = (
@@ -491,22 +492,5 @@ def _expire(link: Link, current: Round, seconds: float) -> None:
         link.abort(redis.TimeoutError(f"no reply within {seconds} s"))
 
 
-def _pack(calls: list[Pending]) -> tuple[list[list[Pending]], bytes]:
-    """The commands of one round, and which calls each reply is for: a SCRIPT LOAD is sent
-    once for every call of the script that needs it."""
-    slots: list[list[Pending]] = []
-    loads: dict[str, list[Pending]] = {}
-    packed: list[bytes] = []
-    for call in calls:
-        exchange = call.exchange
-        if exchange.loading:
-            group = loads.get(exchange.script.sha)
-            if group is not None:
-                group.append(call)
-                continue
-            group = loads[exchange.script.sha] = [call]
-        else:
-            group = [call]
-        slots.append(group)
-        packed.append(pack_command(exchange.command))
-    return slots, b"".join(packed)
+def _exchange_of(call: Pending) -> Exchange:
+    return call.exchange
