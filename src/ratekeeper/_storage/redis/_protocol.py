@@ -96,6 +96,16 @@ _HONOURED = frozenset(
         "ssl_check_hostname",
         "ssl_min_version",
         "ssl_ciphers",
+        # redis-py 8 (relaxed timeouts during server maintenance): its copies of the address
+        # and timeouts, and the push notifications that drive it, which come over RESP3 only; a
+        # link speaks RESP2, so they never arrive.
+        "orig_host_address",
+        "orig_socket_timeout",
+        "orig_socket_connect_timeout",
+        "maint_notifications_config",
+        "maint_notifications_pool_handler",
+        # redis-py 8: state for the client's own HIMPORT commands; a link sends scripts only.
+        "himport_registry",
     }
 )
 
