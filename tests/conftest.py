@@ -78,6 +78,15 @@ def binaries() -> list[ServerBinary]:
     return BINARIES
 
 
+@pytest.fixture(scope="module")
+def private_server(binaries: list[ServerBinary]) -> Iterator[RedisServer]:
+    """A server of the module's own (the first flavor found): for tests that count its
+    commands, or share it with the processes they start."""
+    server = RedisServer(binaries[0]).start()
+    yield server
+    server.stop()
+
+
 @pytest.fixture(scope="session")
 def servers() -> Iterator[dict[str, RedisServer]]:
     """One running server per flavor for the whole run."""

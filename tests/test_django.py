@@ -42,7 +42,7 @@ from ratekeeper.django import RateLimitMiddleware, SettingsError, ratelimit  # n
 from ratekeeper.django._settings import current, request_view  # noqa: E402
 from ratekeeper.identity import header  # noqa: E402
 
-from .servers import RedisServer, find_binaries  # noqa: E402
+from .servers import RedisServer  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 MEMORY = {"STORAGE_URL": "memory://", "KEY_PREFIX": "dj-unit"}
@@ -506,16 +506,6 @@ def test_the_async_chain_with_an_async_key_and_deduct_when():
 # --- ENABLED = False: untouched, and not one store call --------------------------------------
 
 
-@pytest.fixture(scope="module")
-def redis_server() -> Iterator[RedisServer]:
-    binaries = find_binaries()
-    if not binaries:
-        pytest.skip("no redis-server/valkey-server found")
-    server = RedisServer(binaries[0]).start()
-    yield server
-    server.stop()
-
-
 def store_calls(server: RedisServer) -> int:
     """Commands the server ran, except INFO (which this reads with)."""
     client = server.client()
@@ -526,14 +516,14 @@ def store_calls(server: RedisServer) -> int:
     return sum(v["calls"] for k, v in stats.items() if k != "cmdstat_info")
 
 
-def test_disabled_makes_no_store_call(redis_server: RedisServer):
+def test_disabled_makes_no_store_call(private_server: RedisServer):
     from rest_framework.test import APIRequestFactory
 
     from tests.django_project.views import Burst
 
     on_redis = {
         **MEMORY,
-        "STORAGE_URL": redis_server.url,
+        "STORAGE_URL": private_server.url,
         "KEY_PREFIX": f"dj-{uuid.uuid4().hex[:8]}",
         "FAILURE_MODE": "raise",
         "LIMITER_OPTIONS": {"timeout": 5, "connect_timeout": 5},
@@ -561,16 +551,16 @@ def test_disabled_makes_no_store_call(redis_server: RedisServer):
         return replies
 
     with override_settings(RATEKEEPER={**on_redis, "ENABLED": False}):
-        before = store_calls(redis_server)
+        before = store_calls(private_server)
         replies = traffic()
-        after = store_calls(redis_server)
+        after = store_calls(private_server)
     assert after == before  # not one command: nothing was even connected
     assert {r.status_code for r in replies} == {200}
     assert not [r for r in replies if r.has_header("RateLimit")]
     # The count sees store calls: the same traffic enabled makes them, and is limited.
     with override_settings(RATEKEEPER=on_redis):
         replies = traffic()
-        enabled_calls = store_calls(redis_server) - after
+        enabled_calls = store_calls(private_server) - after
         current().close()
     assert {r.status_code for r in replies} == {200, 429}
     # Every admission was decided by the store (a denial may come from the local deny cache).

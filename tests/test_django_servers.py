@@ -19,22 +19,19 @@ import subprocess
 import sys
 import tempfile
 import threading
-import time
 import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO
 
 import httpx
 import pytest
 
-from .servers import RedisServer, find_binaries, free_port
+from .processes import log_text, wait_until
+from .servers import RedisServer, free_port
 
 ROOT = Path(__file__).resolve().parent.parent
-#: Seconds a server may take to come up on a loaded machine.
-STARTUP = 60.0
 THREADS = 8
 
 pytestmark = pytest.mark.usefixtures("binaries")
@@ -52,19 +49,6 @@ class Served:
     kind: str
     url: str
     worker_pids: frozenset[str]
-
-
-def _log_text(log: IO[bytes]) -> str:
-    fd = log.fileno()
-    return os.pread(fd, os.fstat(fd).st_size, 0).decode(errors="replace")
-
-
-@pytest.fixture(scope="module")
-def store() -> Iterator[RedisServer]:
-    """One private server for the module: both Django servers share it."""
-    server = RedisServer(find_binaries()[0]).start()
-    yield server
-    server.stop()
 
 
 def _command(kind: str, port: int) -> list[str]:
@@ -88,14 +72,14 @@ def _health(http: httpx.Client) -> str | None:
 
 
 @pytest.fixture(scope="module", params=["gunicorn", "uvicorn"])
-def served(request: pytest.FixtureRequest, store: RedisServer) -> Iterator[Served]:
+def served(request: pytest.FixtureRequest, private_server: RedisServer) -> Iterator[Served]:
     """The test project under ``gunicorn --workers 2`` (WSGI) or ``uvicorn --workers 2``
     (ASGI), until both workers have answered."""
     kind = request.param
     port = free_port()
     env = {
         **os.environ,
-        "RATEKEEPER_DJANGO_STORAGE_URL": store.url,
+        "RATEKEEPER_DJANGO_STORAGE_URL": private_server.url,
         "RATEKEEPER_DJANGO_KEY_PREFIX": f"dj-{kind}-{uuid.uuid4().hex[:8]}",
     }
     env.pop("WEB_CONCURRENCY", None)
@@ -107,17 +91,16 @@ def served(request: pytest.FixtureRequest, store: RedisServer) -> Iterator[Serve
         try:
             url = f"http://127.0.0.1:{port}"
             pids: set[str] = set()
-            deadline = time.monotonic() + STARTUP
             limits = httpx.Limits(max_keepalive_connections=0)  # a new connection each time
             with httpx.Client(base_url=url, timeout=5, limits=limits) as http:
-                while len(pids) < 2:
-                    if proc.poll() is not None or time.monotonic() > deadline:
-                        pytest.fail(f"{kind} did not come up:\n{_log_text(log)[-3000:]}")
+
+                def both_workers() -> bool:
                     pid = _health(http)
-                    if pid is None:
-                        time.sleep(0.05)
-                    else:
+                    if pid is not None:
                         pids.add(pid)
+                    return len(pids) >= 2
+
+                wait_until(both_workers, proc, log, kind)
             yield Served(kind, url, frozenset(pids))
         finally:
             if proc.poll() is None:
@@ -127,7 +110,7 @@ def served(request: pytest.FixtureRequest, store: RedisServer) -> Iterator[Serve
                 except subprocess.TimeoutExpired:
                     os.killpg(proc.pid, signal.SIGKILL)
                     proc.wait(10)
-            assert "Traceback" not in _log_text(log), _log_text(log)[-3000:]
+            assert "Traceback" not in log_text(log), log_text(log)[-3000:]
 
 
 def hammer(url: str, path: str, headers: dict[str, str], count: int) -> list[Reply]:
@@ -206,12 +189,14 @@ def test_both_workers_serve_and_share_one_store(served: Served):
     assert len(pids) == 2
 
 
-def test_the_served_settings_pass_the_system_check_and_memory_would_not(store: RedisServer):
+def test_the_served_settings_pass_the_system_check_and_memory_would_not(
+    private_server: RedisServer,
+):
     """``manage.py check`` on the settings the servers run (DEBUG off): clean on the shared
     Redis; the same project on memory:// gets the W001 warning (several workers would each
     admit the whole limit)."""
     command = [sys.executable, "-m", "django", "check", "--settings=tests.django_project.settings"]
-    for url, warned in ((store.url, False), ("memory://", True)):
+    for url, warned in ((private_server.url, False), ("memory://", True)):
         env = {**os.environ, "RATEKEEPER_DJANGO_STORAGE_URL": url}
         env.pop("RATEKEEPER_DJANGO_DEBUG", None)
         done = subprocess.run(

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import multiprocessing
 import uuid
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -28,22 +27,12 @@ from ratekeeper import ManualClock  # noqa: E402
 from ratekeeper.drf import RatekeeperThrottle  # noqa: E402
 
 from .django_project.drf_workers import hammer  # noqa: E402
-from .servers import RedisServer, find_binaries  # noqa: E402
+from .servers import RedisServer  # noqa: E402
 
 PROCESSES = 4
 THREADS = 16
 PER_THREAD = 3
 LIMIT = 50  # "50/minute" in the test project's DEFAULT_THROTTLE_RATES
-
-
-@pytest.fixture(scope="module")
-def store() -> Iterator[RedisServer]:
-    binaries = find_binaries()
-    if not binaries:
-        pytest.skip("no redis-server/valkey-server found")
-    server = RedisServer(binaries[0]).start()
-    yield server
-    server.stop()
 
 
 def run_processes(url: str) -> dict[str, list[int]]:
@@ -69,10 +58,10 @@ def run_processes(url: str) -> dict[str, list[int]]:
 
 
 def test_4_processes_x_16_threads_admit_exactly_50_where_drf_admits_more(
-    store: RedisServer, capsys: pytest.CaptureFixture[str]
+    private_server: RedisServer, capsys: pytest.CaptureFixture[str]
 ):
     sent = PROCESSES * THREADS * PER_THREAD
-    statuses = run_processes(store.url)
+    statuses = run_processes(private_server.url)
     ours, theirs = statuses["ratekeeper"], statuses["drf"]
     assert len(ours) == len(theirs) == sent
     assert set(ours) == {200, 429}

@@ -32,13 +32,12 @@ import redis
 import websockets.exceptions
 import websockets.sync.client
 
+from .processes import log_text, wait_until
 from .servers import RedisServer, find_binaries, free_port
 from .web_apps import ENV_PREFIX, ENV_URL
 
 ROOT = Path(__file__).resolve().parent.parent
 FLAVORS = [binary.flavor for binary in find_binaries()]
-#: Seconds a server may take to come up on a loaded machine.
-STARTUP = 60.0
 THREADS = 8
 
 
@@ -58,13 +57,6 @@ class Served:
     store_url: str
 
 
-def _log_text(log: IO[bytes]) -> str:
-    """What the server wrote so far. ``pread``: the server shares the file offset, which a
-    seek and read here would move under its writes."""
-    fd = log.fileno()
-    return os.pread(fd, os.fstat(fd).st_size, 0).decode(errors="replace")
-
-
 def _stop(proc: subprocess.Popen[bytes]) -> int:
     """Terminate gracefully; kill the whole session if it does not go."""
     if proc.poll() is None:
@@ -74,18 +66,6 @@ def _stop(proc: subprocess.Popen[bytes]) -> int:
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
     return proc.wait(20)
-
-
-def _wait_until(ready: Any, proc: subprocess.Popen[bytes], log: IO[bytes], what: str) -> Any:
-    """Poll ``ready()`` until it returns something true, the process dies, or time is up."""
-    deadline = time.monotonic() + STARTUP
-    while True:
-        result = ready()
-        if result:
-            return result
-        if proc.poll() is not None or time.monotonic() > deadline:
-            pytest.fail(f"{what} did not come up (exit {proc.poll()}):\n{_log_text(log)[-3000:]}")
-        time.sleep(0.05)
 
 
 def _get(http: httpx.Client, path: str) -> httpx.Response | None:
@@ -101,7 +81,7 @@ class Running:
     log: IO[bytes]
 
     def output(self) -> str:
-        return _log_text(self.log)
+        return log_text(self.log)
 
 
 @contextlib.contextmanager
@@ -125,15 +105,15 @@ def uvicorn(factory: str, store_url: str, workers: int = 2) -> Iterator[Running]
             pattern = re.compile(r"Started server process \[(\d+)\]")
 
             def workers_started() -> frozenset[str] | None:
-                text = _log_text(log)
+                text = log_text(log)
                 if text.count("Application startup complete.") < workers:
                     return None
                 return frozenset(pattern.findall(text))
 
-            pids = _wait_until(workers_started, proc, log, f"uvicorn's {workers} workers")
+            pids = wait_until(workers_started, proc, log, f"uvicorn's {workers} workers")
             url = f"http://127.0.0.1:{port}"
             with httpx.Client(base_url=url, timeout=5) as http:
-                _wait_until(
+                wait_until(
                     lambda: (r := _get(http, "/health")) is not None and r.status_code == 200,
                     proc,
                     log,
@@ -143,7 +123,7 @@ def uvicorn(factory: str, store_url: str, workers: int = 2) -> Iterator[Running]
             yield Running(Served(url, pids, env[ENV_PREFIX], store_url), log)
         finally:
             code = _stop(proc)
-            assert code in (0, -signal.SIGTERM), _log_text(log)[-3000:]
+            assert code in (0, -signal.SIGTERM), log_text(log)[-3000:]
 
 
 @pytest.fixture(scope="module", params=FLAVORS)
@@ -346,18 +326,18 @@ def test_memory_under_several_gunicorn_workers_warns_once_a_worker():
             start_new_session=True,
         )  # fmt: skip
         try:
-            _wait_until(
-                lambda: _log_text(log).count(MEMORY_WARNING) >= 2, proc, log, "gunicorn's workers"
+            wait_until(
+                lambda: log_text(log).count(MEMORY_WARNING) >= 2, proc, log, "gunicorn's workers"
             )
             with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=10) as http:
-                _wait_until(
+                wait_until(
                     lambda: (r := _get(http, "/health")) is not None and r.status_code == 200,
                     proc,
                     log,
                     "gunicorn's /health",
                 )
                 assert http.get("/api/items").status_code == 200
-            output = _log_text(log)
+            output = log_text(log)
         finally:
             _stop(proc)
     assert output.count(MEMORY_WARNING) == 2, output  # once in each worker (WSGI middleware)
@@ -385,7 +365,7 @@ def test_demo_serve(storage: str, servers: dict[str, RedisServer]):
         )
         try:
             with httpx.Client(base_url=url, timeout=10) as http:
-                _wait_until(
+                wait_until(
                     lambda: (r := _get(http, "/health")) is not None and r.status_code == 200,
                     proc,
                     log,
@@ -396,7 +376,7 @@ def test_demo_serve(storage: str, servers: dict[str, RedisServer]):
                 within = time.monotonic() - started
                 search = [http.get("/api/search") for _ in range(3)]
                 health = [http.get("/health") for _ in range(20)]
-            output = _log_text(log)
+            output = log_text(log)
         finally:
             code = _stop(proc)
     assert code in (0, -signal.SIGTERM)
