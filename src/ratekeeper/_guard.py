@@ -209,9 +209,10 @@ class Guard:
             self.metrics.decision(cached)
         return cached
 
-    def before(self, call: Call) -> Decision | None:
-        """A decision made without the store, or None to ask the store."""
-        if self._deny is not None and call.mode == HIT:
+    def before(self, call: Call, cache_asked: bool = False) -> Decision | None:
+        """A decision made without the store, or None to ask the store. ``cache_asked``: the
+        caller already asked ``cached`` for this call (the deny cache is not asked twice)."""
+        if not cache_asked and self._deny is not None and call.mode == HIT:
             cached = self._deny.lookup(call.keys[0], call.cost)
             if cached is not None:
                 self.metrics.decision(cached)

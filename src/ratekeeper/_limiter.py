@@ -262,9 +262,9 @@ class Limiter(_Base[SyncStorage]):
             storage.close()  # gives nothing back: the client stays as it was
             raise
 
-    def _run(self, call: Call) -> Decision:
+    def _run(self, call: Call, cache_asked: bool = False) -> Decision:
         guard = self._guard
-        early = guard.before(call)
+        early = guard.before(call, cache_asked)
         if early is not None:
             return early
         started = guard.started()
@@ -293,7 +293,7 @@ class Limiter(_Base[SyncStorage]):
             cached = self._guard.cached(keys[0])
             if cached is not None:  # a flood on a denied key: no call is even built
                 return cached
-            return self._run(core.hit(policy, identity, 1, keys))  # keys built once
+            return self._run(core.hit(policy, identity, 1, keys), True)  # keys built once
         return self._run(core.hit(policy, identity, cost))
 
     def peek(self, policy: Policy, identity: Identity, cost: int = 1) -> Decision:
@@ -424,9 +424,9 @@ class AsyncLimiter(_Base[AsyncStorage]):
             metrics=metrics,
         )
 
-    async def _run(self, call: Call) -> Decision:
+    async def _run(self, call: Call, cache_asked: bool = False) -> Decision:
         guard = self._guard
-        early = guard.before(call)
+        early = guard.before(call, cache_asked)
         if early is not None:
             return early
         started = guard.started()
@@ -454,7 +454,7 @@ class AsyncLimiter(_Base[AsyncStorage]):
             cached = self._guard.cached(keys[0])
             if cached is not None:
                 return cached
-            return await self._run(core.hit(policy, identity, 1, keys))  # keys built once
+            return await self._run(core.hit(policy, identity, 1, keys), True)  # keys built once
         return await self._run(core.hit(policy, identity, cost))
 
     async def peek(self, policy: Policy, identity: Identity, cost: int = 1) -> Decision:
