@@ -160,6 +160,26 @@ def required_flavors(value: str, found: Iterable[str]) -> list[str]:
     return [name for name in wanted if name not in have]
 
 
+#: What ``command_calls()`` leaves out of a total: INFO, which reads the counts, and the
+#: connection set-up redis-py sends by itself (``CLIENT SETINFO``, which Redis 7.2+ and Valkey
+#: count and Redis 7.0 does not know), so that a total is the same on every flavor.
+_NOT_UNDER_TEST = frozenset({"info", "client|setinfo"})
+
+
+def command_calls(client: redis.Redis, command: str | None = None) -> int:
+    """How many times ``command`` (lower case, ``"script|load"`` for a subcommand) ran on the
+    server, from ``INFO commandstats`` (0 if never); without one, every command but INFO and a
+    client's connection set-up."""
+    stats: dict[str, dict[str, int]] = client.info("commandstats")  # type: ignore[assignment]
+    if command is not None:
+        return int(stats.get(f"cmdstat_{command}", {}).get("calls", 0))
+    return sum(
+        int(fields["calls"])
+        for name, fields in stats.items()
+        if name.removeprefix("cmdstat_") not in _NOT_UNDER_TEST
+    )
+
+
 def free_port() -> int:
     while True:
         with socket.socket() as sock:
@@ -182,6 +202,11 @@ class RedisServer:
     @property
     def url(self) -> str:
         return f"redis://127.0.0.1:{self.port}/0"
+
+    def command_calls(self, command: str | None = None) -> int:
+        """``command_calls()`` on this server, through a client of its own."""
+        with self.client() as client:
+            return command_calls(client, command)
 
     def client(self) -> redis.Redis:
         # No retries: while a server starts, a refused connection should fail fast.

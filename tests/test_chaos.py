@@ -41,7 +41,7 @@ from ratekeeper.metrics import Metrics
 from .delay_proxy import DelayProxy
 from .private_servers import private_servers
 from .seams import flush_after_every_load
-from .servers import RedisServer, find_binaries
+from .servers import RedisServer, command_calls, find_binaries
 
 FLAVORS = [binary.flavor for binary in find_binaries()]
 
@@ -134,11 +134,6 @@ def stopped(server: RedisServer) -> Iterator[float]:
         yield time.monotonic()
     finally:
         os.kill(pid, signal.SIGCONT)
-
-
-def evalsha_calls(client: redis.Redis) -> int:
-    stats: dict[str, Any] = client.info("commandstats")
-    return int(stats.get("cmdstat_evalsha", {}).get("calls", 0))
 
 
 # --- load ----------------------------------------------------------------------------------------
@@ -803,11 +798,11 @@ def test_script_flush_under_asyncio_is_exact(
 
     try:
         with admin(victim) as client:
-            loads_before = _stat(client, "script|load")
-            evals_before = _stat(client, "eval")
+            loads_before = command_calls(client, "script|load")
+            evals_before = command_calls(client, "eval")
             results = asyncio.run(main())
-            loads = _stat(client, "script|load") - loads_before
-            evals = _stat(client, "eval") - evals_before
+            loads = command_calls(client, "script|load") - loads_before
+            evals = command_calls(client, "eval") - evals_before
     finally:
         flush_now.close()
     exceptions = [r for r in results if isinstance(r, BaseException)]
@@ -825,10 +820,6 @@ def test_script_flush_under_asyncio_is_exact(
         script_loads=loads,
         evals=evals,
     )
-
-
-def _stat(client: redis.Redis, command: str) -> int:
-    return int(client.info("commandstats").get(f"cmdstat_{command}", {}).get("calls", 0))
 
 
 # --- out of memory -------------------------------------------------------------------------------
@@ -943,7 +934,7 @@ def test_hot_denied_key_costs_a_handful_of_evalsha(victim: RedisServer, key_pref
         for thread in threads:
             thread.join(30)
         elapsed = time.perf_counter() - started
-        calls = evalsha_calls(client)
+        calls = command_calls(client, "evalsha")
     total: Counter[str | None] = sum(counts, Counter())
     record(
         f"hot_key[{victim.binary.flavor}]",

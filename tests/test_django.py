@@ -506,16 +506,6 @@ def test_the_async_chain_with_an_async_key_and_deduct_when():
 # --- ENABLED = False: untouched, and not one store call --------------------------------------
 
 
-def store_calls(server: RedisServer) -> int:
-    """Commands the server ran, except INFO (which this reads with)."""
-    client = server.client()
-    try:
-        stats = client.info("commandstats")
-    finally:
-        client.close()
-    return sum(v["calls"] for k, v in stats.items() if k != "cmdstat_info")
-
-
 def test_disabled_makes_no_store_call(private_server: RedisServer):
     from rest_framework.test import APIRequestFactory
 
@@ -551,16 +541,16 @@ def test_disabled_makes_no_store_call(private_server: RedisServer):
         return replies
 
     with override_settings(RATEKEEPER={**on_redis, "ENABLED": False}):
-        before = store_calls(private_server)
+        before = private_server.command_calls()
         replies = traffic()
-        after = store_calls(private_server)
+        after = private_server.command_calls()
     assert after == before  # not one command: nothing was even connected
     assert {r.status_code for r in replies} == {200}
     assert not [r for r in replies if r.has_header("RateLimit")]
     # The count sees store calls: the same traffic enabled makes them, and is limited.
     with override_settings(RATEKEEPER=on_redis):
         replies = traffic()
-        enabled_calls = store_calls(private_server) - after
+        enabled_calls = private_server.command_calls() - after
         current().close()
     assert {r.status_code for r in replies} == {200, 429}
     # Every admission was decided by the store (a denial may come from the local deny cache).

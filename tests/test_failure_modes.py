@@ -31,7 +31,7 @@ from ratekeeper._breaker import BreakerState, CircuitBreaker
 from ratekeeper._errors import RequestRejected
 
 from .private_servers import private_servers
-from .servers import RedisServer, ServerBinary, find_binaries, free_port
+from .servers import RedisServer, ServerBinary, command_calls, find_binaries, free_port
 
 FLAVORS = [binary.flavor for binary in find_binaries()]
 
@@ -83,11 +83,6 @@ def admin_client(server: RedisServer) -> Iterator[redis.Redis]:
         yield client
     finally:
         client.close()
-
-
-def evalsha_calls(client: redis.Redis) -> int:
-    stats: dict[str, Any] = client.info("commandstats")
-    return int(stats.get("cmdstat_evalsha", {}).get("calls", 0))
 
 
 def reasons(decisions: list[Decision]) -> list[str | None]:
@@ -452,7 +447,7 @@ def test_deny_cache_answers_exactly_as_the_store(live: RedisServer, key_prefix: 
         denied, expected = cached.hit(policy, "a"), plain.hit(policy, "a")
         assert not denied.allowed
         assert denied == expected  # the store's own denial, reason None
-        assert evalsha_calls(admin) == 2
+        assert command_calls(admin, "evalsha") == 2
         wait = expected.retry_after
         assert wait is not None
         assert 0 < wait <= 60
@@ -462,7 +457,7 @@ def test_deny_cache_answers_exactly_as_the_store(live: RedisServer, key_prefix: 
                 assert cached.hit(policy, "a").reason == "deny_cache"
             clock.advance(wait / 20)
         # 10,000 hits on the denied key, over half its wait: no store call at all.
-        assert evalsha_calls(admin) == 0
+        assert command_calls(admin, "evalsha") == 0
         assert len(cached._guard._deny) == 1  # type: ignore[arg-type]
         # The cached answers equal the store's at several moments of the wait.
         for _ in range(4):
@@ -472,7 +467,7 @@ def test_deny_cache_answers_exactly_as_the_store(live: RedisServer, key_prefix: 
         clock.set(denied_at + wait + 2e-6)
         admin.config_resetstat()
         again, again_plain = cached.hit(policy, "a"), plain.hit(policy, "a")
-        assert evalsha_calls(admin) == 2
+        assert command_calls(admin, "evalsha") == 2
         assert again.allowed
         assert again.reason is None
         assert again == again_plain
@@ -488,7 +483,7 @@ def test_deny_cache_flood_costs_at_most_a_handful_of_evalsha(live: RedisServer, 
         assert [limiter.hit(policy, "hot").allowed for _ in range(3)] == [True] * 3
         admin.config_resetstat()
         decisions = [limiter.hit(policy, "hot") for _ in range(10_000)]
-        calls = evalsha_calls(admin)
+        calls = command_calls(admin, "evalsha")
     print(f"\n[{live.binary.flavor}] 10,000 hits on a denied key: {calls} EVALSHA")
     assert calls <= 2
     assert not any(d.allowed for d in decisions)
@@ -506,7 +501,7 @@ def test_deny_cache_async(live: RedisServer, key_prefix: str):
             assert [(await limiter.hit(policy, "hot")).allowed for _ in range(3)] == [True] * 3
             admin.config_resetstat()
             decisions = [await limiter.hit(policy, "hot") for _ in range(2_000)]
-            assert evalsha_calls(admin) <= 2
+            assert command_calls(admin, "evalsha") <= 2
             assert {d.reason for d in decisions[1:]} == {"deny_cache"}
             await limiter.reset(policy, "hot")
             decision = await limiter.hit(policy, "hot")
@@ -544,14 +539,14 @@ def test_only_denials_of_cost_1_are_cached(live: RedisServer, key_prefix: str):
         admin.config_resetstat()
         assert limiter.hit(policy, "a", cost=2).reason is None  # denied by the store
         assert limiter.hit(policy, "a", cost=2).reason is None  # and not cached
-        assert evalsha_calls(admin) == 2
+        assert command_calls(admin, "evalsha") == 2
         assert limiter.hit(policy, "a").allowed  # the last unit
         assert limiter.hit(policy, "a").reason is None  # a cost-1 denial, now cached
         admin.config_resetstat()
         assert limiter.hit(policy, "a").reason == "deny_cache"
-        assert evalsha_calls(admin) == 0
+        assert command_calls(admin, "evalsha") == 0
         larger = limiter.hit(policy, "a", cost=2)
-        assert evalsha_calls(admin) == 1
+        assert command_calls(admin, "evalsha") == 1
         assert (larger.allowed, larger.reason, larger.remaining) == (False, None, 0)
 
 
@@ -566,7 +561,7 @@ def test_concurrency_policies_are_never_cached(live: RedisServer, key_prefix: st
         assert all(lease.allowed for lease in held)
         admin.config_resetstat()
         refused = [limiter.acquire(policy, "a") for _ in range(20)]
-        assert evalsha_calls(admin) == 20
+        assert command_calls(admin, "evalsha") == 20
         assert not any(lease.allowed for lease in refused)
         assert {lease.decision.reason for lease in refused} == {None}
         assert len(limiter._guard._deny) == 0  # type: ignore[arg-type]
@@ -589,7 +584,7 @@ def test_deny_cache_zero_turns_it_off(live: RedisServer, key_prefix: str):
             limiter.hit(policy, "a")
         admin.config_resetstat()
         decisions = [limiter.hit(policy, "a") for _ in range(50)]
-        assert evalsha_calls(admin) == 50
+        assert command_calls(admin, "evalsha") == 50
         assert {(d.allowed, d.reason) for d in decisions} == {(False, None)}
 
 

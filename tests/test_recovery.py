@@ -12,7 +12,6 @@ import os
 import signal
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
 
 import pytest
 import redis
@@ -32,7 +31,7 @@ from ratekeeper._storage.redis._compat import get_connection
 
 from .private_servers import private_servers
 from .seams import flush_after_every_load
-from .servers import RedisServer, find_binaries
+from .servers import RedisServer, command_calls, find_binaries
 
 FLAVORS = [binary.flavor for binary in find_binaries()]
 
@@ -84,12 +83,6 @@ def _sha(policy: Policy) -> str:
     return load_script(get_algorithm(policy.algorithm).script).sha
 
 
-def _calls(client: redis.Redis, command: str) -> int:
-    """How many times ``command`` ran (``INFO commandstats``; 0 if never)."""
-    stats: dict[str, Any] = client.info("commandstats")
-    return int(stats.get(f"cmdstat_{command}", {}).get("calls", 0))
-
-
 def _script_loaded(client: redis.Redis, policy: Policy) -> bool:
     return bool(client.script_exists(_sha(policy))[0])
 
@@ -104,7 +97,7 @@ def test_script_flush_between_hits_sync(private: RedisServer, key_prefix: str):
         Limiter.from_url(private.url, key_prefix=key_prefix, **PATIENT) as limiter,
     ):
         assert [limiter.hit(policy, "a").remaining for _ in range(2)] == [4, 3]
-        loads = _calls(admin, "script|load")
+        loads = command_calls(admin, "script|load")
         admin.script_flush()
         assert not _script_loaded(admin, policy)
 
@@ -112,7 +105,7 @@ def test_script_flush_between_hits_sync(private: RedisServer, key_prefix: str):
         assert decision.allowed
         assert decision.remaining == 2  # the flush dropped the script, not the log
         assert _script_loaded(admin, policy)
-        assert _calls(admin, "script|load") == loads + 1
+        assert command_calls(admin, "script|load") == loads + 1
         assert [limiter.hit(policy, "a").allowed for _ in range(3)] == [True, True, False]
         (key,) = limiter.keys(policy, "a")
         assert admin.llen(key) == 5
@@ -128,7 +121,7 @@ def test_script_flush_between_hits_async(private: RedisServer, key_prefix: str, 
         )
         try:
             assert [(await limiter.hit(policy, "a")).remaining for _ in range(2)] == [4, 3]
-            loads = _calls(admin, "script|load")
+            loads = command_calls(admin, "script|load")
             admin.script_flush()
             assert not _script_loaded(admin, policy)
 
@@ -136,7 +129,7 @@ def test_script_flush_between_hits_async(private: RedisServer, key_prefix: str, 
             assert decision.allowed
             assert decision.remaining == 2
             assert _script_loaded(admin, policy)
-            assert _calls(admin, "script|load") == loads + 1
+            assert command_calls(admin, "script|load") == loads + 1
             assert [(await limiter.hit(policy, "a")).allowed for _ in range(3)] == [
                 True,
                 True,
@@ -170,9 +163,9 @@ def test_script_flush_between_the_load_and_the_call_sync(
         assert limiter.hit(policy, "a").remaining == 4
         flush_after_load(admin)
         admin.script_flush()
-        evals = _calls(admin, "eval")
+        evals = command_calls(admin, "eval")
         assert limiter.hit(policy, "a").remaining == 3
-        assert _calls(admin, "eval") == evals + 1
+        assert command_calls(admin, "eval") == evals + 1
         assert [limiter.hit(policy, "a").allowed for _ in range(4)] == [True, True, True, False]
 
 
@@ -193,15 +186,15 @@ def test_script_flush_between_the_load_and_the_call_async(
             first = (await limiter.hit(policy, "a")).remaining
             flush_after_load(admin)
             admin.script_flush()
-            evals = _calls(admin, "eval")
-            loads = _calls(admin, "script|load")
+            evals = command_calls(admin, "eval")
+            loads = command_calls(admin, "script|load")
             decisions = await asyncio.gather(*(limiter.hit(policy, "a") for _ in range(8)))
             assert all(not d.degraded for d in decisions)
             if batching:  # one round trip: one SCRIPT LOAD for the batch, then 8 EVALs
-                assert _calls(admin, "script|load") - loads == 1
-                assert _calls(admin, "eval") - evals == 8
+                assert command_calls(admin, "script|load") - loads == 1
+                assert command_calls(admin, "eval") - evals == 8
             else:  # 8 connections racing: at least one met the flush after its load
-                assert _calls(admin, "eval") - evals >= 1
+                assert command_calls(admin, "eval") - evals >= 1
             return [first, *sorted((d.remaining for d in decisions), reverse=True)]
 
     with _admin(private) as admin:
@@ -237,8 +230,8 @@ def test_restart_between_hits_sync(private: RedisServer, key_prefix: str):
         assert decision.remaining == 4  # the new server starts empty
         with _admin(private) as admin:
             assert _script_loaded(admin, policy)
-            assert _calls(admin, "script|load") == 1
-            assert _calls(admin, "evalsha") >= 1
+            assert command_calls(admin, "script|load") == 1
+            assert command_calls(admin, "evalsha") >= 1
         assert [limiter.hit(policy, "a").allowed for _ in range(5)] == [True] * 4 + [False]
 
 
@@ -260,8 +253,8 @@ def test_restart_between_hits_async(private: RedisServer, key_prefix: str, batch
             assert decision.remaining == 4
             with _admin(private) as admin:
                 assert _script_loaded(admin, policy)
-                assert _calls(admin, "script|load") == 1
-                assert _calls(admin, "evalsha") >= 1
+                assert command_calls(admin, "script|load") == 1
+                assert command_calls(admin, "evalsha") >= 1
             allowed = [(await limiter.hit(policy, "a")).allowed for _ in range(5)]
             assert allowed == [True] * 4 + [False]
         finally:
@@ -393,7 +386,7 @@ def _frozen(server: RedisServer) -> Iterator[None]:
 
 def _stats(admin: redis.Redis) -> tuple[int, int]:
     """(EVALSHA calls, connections ever accepted)."""
-    return _calls(admin, "evalsha"), int(admin.info("stats")["total_connections_received"])
+    return command_calls(admin, "evalsha"), int(admin.info("stats")["total_connections_received"])
 
 
 def _assert_ran_once(admin: redis.Redis, before: tuple[int, int]) -> None:

@@ -246,8 +246,10 @@ def test_failed_logins_count_across_two_workers_then_the_handler_never_runs(serv
     counted_by: set[str] = set()
     limits = httpx.Limits(max_keepalive_connections=0)  # a new connection per request
     with httpx.Client(base_url=served.url, timeout=30, limits=limits) as http:
-        # Users one after another until both workers have served counted failures.
-        for _ in range(10):
+        # Users one after another until both workers have served counted failures (the
+        # kernel hands each new connection to either worker: a run of 40 users all on one
+        # worker has not been seen, 10 in a row has).
+        for _ in range(40):
             user = {"X-User": f"mallory-{uuid.uuid4()}"}
             before = int(store.get(runs_key) or 0)
             replies = []
