@@ -524,3 +524,32 @@ def test_thread_safety_smoke():
     breaker.reset()
     assert breaker.state is CLOSED
     assert breaker.allow()
+
+
+# --- one fault, one failure ----------------------------------------------------------------------
+
+
+def test_failures_of_calls_in_flight_together_are_one_fault():
+    """Calls sent before a counted failure was known fail with the same fault: 64 timeouts of
+    one stall are one failure, not 64; calls sent after it count again."""
+    clock = FakeClock()
+    breaker = make(clock, consecutive_failures=3)
+    for caller in range(64):  # sent at 0.0000-0.0189, each timing out 20 ms later
+        breaker.record(False, 0.020, sent=caller * 0.0003)
+    assert breaker.state is CLOSED
+    assert breaker._streak == 1
+    breaker.record(False, 0.020, sent=0.084)  # sent after the first was known (0.020)
+    assert breaker._streak == 2
+    breaker.record(False, 0.020, sent=0.090)  # in flight when that one was known (0.104)
+    assert breaker._streak == 2
+    breaker.record(False, 0.020, sent=0.110)  # a store that stays down keeps failing
+    assert breaker.state is OPEN
+
+
+def test_a_failure_reported_without_sent_always_counts():
+    clock = FakeClock()
+    breaker = make(clock, consecutive_failures=3)
+    breaker.record(False, 0.020, sent=0.0)
+    breaker.record(False, 0.020)
+    breaker.record(False, 0.020)
+    assert breaker.state is OPEN

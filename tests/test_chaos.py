@@ -370,9 +370,12 @@ def check_stall(
     )
     assert opened is not None
     assert opened - stop_at <= 1.0
-    # The breaker kept the callers off the store: the calls of the 8 threads around the trip,
-    # then one probe per opening; every other decision was made without a store call.
-    assert store_tries["timeout"] + store_tries["unavailable"] <= 16 + failed_probes
+    # The breaker kept the callers off the store: one fault counts once however many calls it
+    # failed together, so it opens after ``consecutive_failures`` rounds of the 8 callers'
+    # timeouts (one more round in flight as it opens), then one probe per opening; every other
+    # decision was made without a store call.
+    rounds = stall_breaker().consecutive_failures + 1
+    assert store_tries["timeout"] + store_tries["unavailable"] <= rounds * 8 + failed_probes
     assert failed_probes <= STALL_SECONDS / 0.1
     assert store_tries["breaker_open"] > 100 * store_tries["timeout"]
     by_policy: dict[str, list[Sample]] = defaultdict(list)
@@ -848,8 +851,9 @@ def test_out_of_memory_follows_the_failure_mode(victim: RedisServer, key_prefix:
     allow = Policy("oom-open", "3/minute", failure_mode="open")
     deny = Policy("oom-closed", "3/minute", failure_mode="closed")
     local = Policy("oom-local", "8/minute", failure_mode="local")
-    # A breaker that never opens here, so every hit really reaches the full store.
-    breaker = CircuitBreaker(consecutive_failures=100_000, min_calls=100_000)
+    # The default breaker: a store that refuses writes is up (it answers), so it stays closed
+    # and every hit reaches the full store.
+    breaker = CircuitBreaker()
     with (
         admin(victim) as client,
         Limiter.from_url(
@@ -891,13 +895,14 @@ def test_out_of_memory_follows_the_failure_mode(victim: RedisServer, key_prefix:
         for policy, identity, decision in hits:
             mode = policy.failure_mode
             assert decision.degraded
-            assert decision.reason == f"store_error/{mode}"
+            assert decision.reason == f"store_full/{mode}"
             assert decision.allowed is (mode != "closed")
             # No partial state: the failed hit wrote nothing.
             assert all(client.exists(key) == 0 for key in limiter.keys(policy, identity))
-        # A denial only reads: the store still answers it exactly, as it does a peek.
-        old = limiter.hit(allow, "old")
-        assert (old.allowed, old.degraded, old.reason) == (False, False, None)
+        # A denial only reads: the store still answers it exactly, as it does a peek, however
+        # many new identities were refused a write before.
+        olds = [limiter.hit(allow, "old") for _ in range(1_000)]
+        assert {(d.allowed, d.degraded, d.reason) for d in olds} == {(False, False, None)}
         some = limiter.peek(allow, "some")
         assert (some.allowed, some.degraded, some.remaining) == (True, False, 2)
         assert breaker.state is CLOSED
@@ -1002,3 +1007,112 @@ def test_noeviction_is_not_warned_about(
         for _ in range(5):
             assert limiter.hit(Policy("noevict", "100/minute"), "a").allowed
     assert eviction_warnings(caplog) == []
+
+
+# --- one hiccup is one fault ---------------------------------------------------------------------
+
+HICCUP = 0.03  # one 30 ms stall of the store
+EXHAUSTED = Policy("hiccup-spent", "1/hour")
+BUSY = Policy("hiccup-busy", "1000000/hour", "gcra")
+
+
+def _hiccup_jobs(callers: int) -> list[list[tuple[Policy, Identity]]]:
+    """Each caller alternates between its own spent identity and one with room left."""
+    return [[(EXHAUSTED, f"spent-{i}"), (BUSY, f"busy-{i}")] for i in range(callers)]
+
+
+def check_hiccup(
+    name: str, samples: list[Sample], callers: int, transitions: Transitions, calls_in: int
+) -> None:
+    """What one 30 ms stall may cost: at most two rounds of the callers' calls degraded, none
+    of the spent identities admitted, and the breaker never opened."""
+    assert errors(samples) == []
+    degraded = [s for s in samples if s.decision is not None and s.decision.degraded]
+    spent = [s.decision for s in samples if s.policy == EXHAUSTED.name and s.decision]
+    admitted_spent = [d for d in spent if d.allowed]
+    record(
+        name,
+        callers=callers,
+        decisions=len(samples),
+        degraded=len(degraded),
+        spent_identity_hits=len(spent),
+        spent_identity_admitted=len(admitted_spent),
+        breaker_transitions=len(transitions.events),
+        store_calls_during_load=calls_in,
+    )
+    assert 0 < len(degraded) <= 2 * callers  # the stall was felt, once
+    assert admitted_spent == []
+    assert transitions.events == []
+
+
+def _spend(hit: Callable[[Policy, Identity], Decision], callers: int) -> None:
+    for i in range(callers):
+        assert hit(EXHAUSTED, f"spent-{i}").allowed
+        assert not hit(EXHAUSTED, f"spent-{i}").allowed
+
+
+# The deny cache asks the store again every 5 ms, so the spent identities' calls are in flight
+# when the stall comes, and a timed-out one must still be answered as a denial.
+HICCUP_OPTIONS: dict[str, Any] = {"deny_cache_max_age": 0.005}
+
+
+def test_one_hiccup_under_threads_is_one_fault(victim: RedisServer, key_prefix: str):
+    breaker = CircuitBreaker()  # the defaults: 20 ms slow calls, 5 failures in a row
+    transitions = Transitions(breaker)
+    with Limiter.from_url(
+        victim.url, key_prefix=key_prefix, breaker=breaker, **HICCUP_OPTIONS
+    ) as limiter:
+        _spend(limiter.hit, 8)
+        load = Load(limiter, _hiccup_jobs(8))
+        with admin(victim) as client:
+            before = command_calls(client, "evalsha")
+            with load:
+                assert poll(lambda: load.hits >= 2_000, timeout=10) is not None
+                with stopped(victim):
+                    time.sleep(HICCUP)  # the fault itself, not a wait for something
+                count = load.hits  # then traffic with the store back
+                assert poll(lambda: load.hits > count + 2_000, timeout=10) is not None
+            calls_in = command_calls(client, "evalsha") - before
+    check_hiccup(f"hiccup_threads[{victim.binary.flavor}]", load.samples, 8, transitions, calls_in)
+
+
+@pytest.mark.parametrize("batching", [True, False], ids=["batching", "no-batching"])
+def test_one_hiccup_under_asyncio_is_one_fault(
+    victim: RedisServer, key_prefix: str, batching: bool
+):
+    breaker = CircuitBreaker()
+    transitions = Transitions(breaker)
+
+    async def main() -> tuple[list[Sample], int]:
+        async with AsyncLimiter.from_url(
+            victim.url,
+            key_prefix=key_prefix,
+            breaker=breaker,
+            batching=batching,
+            **HICCUP_OPTIONS,
+        ) as limiter:
+            for i in range(64):
+                assert (await limiter.hit(EXHAUSTED, f"spent-{i}")).allowed
+                assert not (await limiter.hit(EXHAUSTED, f"spent-{i}")).allowed
+            with admin(victim) as client:
+                before = command_calls(client, "evalsha")
+                load = AsyncLoad(limiter, _hiccup_jobs(64))
+                load.start()
+                try:
+                    assert await apoll(lambda: len(load.samples) >= 5_000, timeout=10)
+                    with stopped(victim):
+                        await asyncio.sleep(HICCUP)  # the fault; the tasks keep calling
+                    count = len(load.samples)  # then traffic with the store back
+                    assert await apoll(lambda: len(load.samples) > count + 5_000, timeout=10)
+                finally:
+                    await load.stop()
+                return load.samples, command_calls(client, "evalsha") - before
+
+    samples, calls_in = asyncio.run(main())
+    check_hiccup(
+        f"hiccup_asyncio[{victim.binary.flavor}-{'batching' if batching else 'no-batching'}]",
+        samples,
+        64,
+        transitions,
+        calls_in,
+    )

@@ -24,6 +24,7 @@ from redis.exceptions import (
 from ratekeeper import (
     RequestRejected,
     StorageError,
+    StorageFull,
     StorageResponseError,
     StorageTimeout,
     StorageUnavailable,
@@ -145,10 +146,11 @@ def test_the_command_path_reports_raised_errors() -> None:
     [
         (redis.TimeoutError("Timeout reading from socket"), StorageTimeout),
         (redis.ConnectionError("Connection refused"), StorageUnavailable),
-        (redis.AuthenticationError("invalid password"), StorageUnavailable),
+        (redis.AuthenticationError("invalid password"), RequestRejected),
         (RedisClusterException("Redis Cluster cannot be connected"), StorageUnavailable),
         (InvalidResponse("Protocol error"), StorageUnavailable),
-        (OutOfMemoryError("command not allowed"), StorageResponseError),
+        (OutOfMemoryError("command not allowed"), StorageFull),
+        (ResponseError("OOM command not allowed when used memory > 'maxmemory'"), StorageFull),
         (ReadOnlyError("You can't write against a read only replica."), StorageResponseError),
         (ResponseError("LOADING Redis is loading the dataset in memory"), StorageResponseError),
         (ResponseError("BUSY Redis is busy running a script"), StorageResponseError),

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import subprocess
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -20,6 +22,7 @@ import redis
 import ratekeeper
 from ratekeeper import (
     AsyncLimiter,
+    ConfigError,
     Decision,
     Limiter,
     ManualClock,
@@ -432,7 +435,11 @@ def test_deny_cache_answers_exactly_as_the_store(live: RedisServer, key_prefix: 
     policy = Policy("dc-exact", "3/minute", algorithm)
     with (
         admin_client(live) as admin,
-        Limiter.from_url(live.url, key_prefix=key_prefix, clock=clock, **PATIENT) as cached,
+        # A max age past the wait: the cache alone answers the whole wait (the default, 1 s,
+        # asks the store again each second; see test_a_reset_elsewhere_reaches_...).
+        Limiter.from_url(
+            live.url, key_prefix=key_prefix, clock=clock, deny_cache_max_age=3600, **PATIENT
+        ) as cached,
         Limiter.from_url(
             live.url, key_prefix=key_prefix + "x", clock=clock, deny_cache=0, **PATIENT
         ) as plain,
@@ -603,3 +610,96 @@ def test_the_deny_cache_is_bounded(live: RedisServer, key_prefix: str):
         assert limiter.hit(policy, 40).reason == "deny_cache"
         assert limiter.hit(policy, 0).reason is None
         assert len(limiter._guard._deny) == 10  # type: ignore[arg-type]
+
+
+# --- operator actions reach every process; a denial stays a denial through a fault -------------
+
+
+@pytest.mark.parametrize("api", ["sync", "async"])
+def test_a_reset_elsewhere_reaches_a_running_limiter_within_its_max_age(
+    live: RedisServer, key_prefix: str, api: str
+):
+    """The running app's limiter has the identity's denial cached; another process (here a
+    limiter of its own, with its own cache) resets it. Within ``deny_cache_max_age`` (1 s by
+    default) the running limiter asks the store again and admits."""
+    clock = ManualClock(1_700_000_000.0)
+    policy = Policy("dc-elsewhere", "2/hour")
+    with Limiter.from_url(live.url, key_prefix=key_prefix, clock=clock, **PATIENT) as operator:
+        if api == "sync":
+            running: Any = Limiter.from_url(live.url, key_prefix=key_prefix, clock=clock, **PATIENT)
+        else:
+            from .conftest import AsyncDriver
+
+            running = AsyncDriver(
+                AsyncLimiter.from_url(live.url, key_prefix=key_prefix, clock=clock, **PATIENT)
+            )
+        try:
+            assert [running.hit(policy, "a").allowed for _ in range(3)] == [True, True, False]
+            assert running.hit(policy, "a").reason == "deny_cache"
+            operator.reset(policy, "a")
+            clock.advance(0.999)
+            assert running.hit(policy, "a").reason == "deny_cache"  # still fresh
+            clock.advance(0.001)
+            again = running.hit(policy, "a")
+            assert (again.allowed, again.reason, again.remaining) == (True, None, 1)
+        finally:
+            running.close()
+
+
+def test_deny_cache_max_age_is_checked():
+    for bad in (0, -1, float("inf"), True, "1"):
+        with pytest.raises(ConfigError, match="deny_cache_max_age must be"):
+            Limiter.from_url("memory://", deny_cache_max_age=bad)
+
+
+def test_the_local_mode_keeps_a_bounded_number_of_identities(dead_url: str, key_prefix: str):
+    """With the store down, rotated identities each get a local budget, and the oldest are
+    forgotten past ``LOCAL_MAX_KEYS``: memory stays bounded (the figure: test_memory_usage)."""
+    from ratekeeper._guard import LOCAL_MAX_KEYS
+
+    policy = Policy("local-bounded", "5/minute", "gcra")
+    with Limiter.from_url(dead_url, key_prefix=key_prefix, failure_mode="local") as limiter:
+        for identity in range(LOCAL_MAX_KEYS + 500):
+            decision = limiter.hit(policy, identity)
+            assert decision.allowed
+            assert decision.degraded
+        local = limiter._guard._local
+        assert local is not None
+        assert len(local) == LOCAL_MAX_KEYS
+        # The newest identity keeps its state, the first one was forgotten.
+        assert limiter.hit(policy, LOCAL_MAX_KEYS + 499).remaining == 3
+
+
+_ROTATION = """
+import resource, sys
+from ratekeeper import Limiter, Policy
+
+def rss_kb():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * resource.getpagesize() // 1024
+
+policy = Policy("rotated", "5/minute", "gcra")
+with Limiter.from_url(sys.argv[1], failure_mode="local") as limiter:
+    assert limiter.hit(policy, "warm").degraded
+    before = rss_kb()
+    for n in range(500_000):
+        limiter.hit(policy, f"attacker-{n}")
+    print(rss_kb() - before)
+"""
+
+
+def test_the_local_mode_grows_by_less_than_20_mb_under_500k_rotated_identities(dead_url: str):
+    """An outage and an attacker rotating identities: 500,000 fresh identities decided by the
+    local failure mode; the process grows by less than 20 MB (it grew by 212 MB before the
+    bound). A process of its own, so nothing else this run holds is counted."""
+    done = subprocess.run(
+        [sys.executable, "-c", _ROTATION, dead_url],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    grown_kb = int(done.stdout.split()[-1])
+    print(f"\nlocal mode, 500,000 rotated identities: the process grew by {grown_kb / 1024:.1f} MB")
+    assert grown_kb < 20 * 1024

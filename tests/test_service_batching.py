@@ -14,6 +14,8 @@ from pathlib import Path
 
 import grpc
 
+from ratekeeper import Decision
+
 from .delay_proxy import DelayProxy
 from .seams import Wire
 from .servers import RedisServer
@@ -57,3 +59,46 @@ def test_round_trips_are_shared(
 
     with DelayProxy(server.port, delay=0.05) as proxy:
         asyncio.run(main(proxy.url))
+
+
+def test_one_huge_request_cannot_degrade_another_callers_decisions(
+    tmp_path: Path, servers: dict[str, RedisServer]
+) -> None:
+    """One request of 3,000 descriptors at the default 20 ms store timeout, then 50 small
+    requests from another client: every one of the 50 is decided by the store (no
+    UNAVAILABLE, no degraded decision, the breaker never left closed). The big request's
+    descriptors go to the store in bounded rounds, so none of its calls is slow either."""
+    config = write(tmp_path / "huge.yaml", CONFIG.replace("1000}", "100000}"))
+    server = next(iter(servers.values()))
+
+    async def main() -> None:
+        async with running(config, server.url, timeout=0.02) as service:
+            assert service.limiter is not None
+            breaker = service.limiter.breaker
+            moves: list[tuple[object, object]] = []
+            breaker.add_listener(lambda old, new: moves.append((old, new)))
+            degraded: list[Decision] = []
+            observe = service.limiter._guard.metrics.decision
+
+            def watch(decision: Decision) -> None:
+                if decision.degraded:
+                    degraded.append(decision)
+                observe(decision)
+
+            service.limiter._guard.metrics.decision = watch  # type: ignore[method-assign]
+            async with (
+                grpc.aio.insecure_channel(f"127.0.0.1:{service.grpc_port}") as attacker,
+                grpc.aio.insecure_channel(f"127.0.0.1:{service.grpc_port}") as other,
+            ):
+                await OURS.caller(other)(OURS.request("batch", [("user", "warm")]))
+                huge = OURS.request("batch", *[[("user", f"h{i}")] for i in range(3_000)])
+                answer = await OURS.caller(attacker)(huge)
+                assert len(answer.statuses) == 3_000
+                call = OURS.caller(other)
+                small = [await call(OURS.request("batch", [("user", f"s{i}")])) for i in range(50)]
+            assert [s.overall_code for s in small] == [OURS.code("OK")] * 50
+            assert [s.statuses[0].limit_remaining for s in small] == [99_999] * 50
+            assert degraded == []
+            assert moves == []
+
+    asyncio.run(main())

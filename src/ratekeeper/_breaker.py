@@ -7,6 +7,10 @@ States::
       └──────────(probes calls in a row succeed)──────┼──────────────────────────────┘
                                                       └──(a probe fails or is slow)──┘
 
+* **one fault, one failure**: a failure is counted only if its call was sent after the last
+  counted failure became known (``record``'s ``sent``). The timeouts of calls in flight together
+  during one stall, or every call of one failed batch, are one failure, not one per caller; a
+  store that stays down fails the next calls too, and those count.
 * **closed**: every call goes to the store. Outcomes are counted in a sliding window of
   ``window`` seconds (ten buckets). The breaker opens when at least ``min_calls`` calls are in
   the window and the share of failures reaches ``failure_ratio`` or the share of calls slower
@@ -104,6 +108,8 @@ class CircuitBreaker:
         self._probe_started = 0.0
         self._good_probes = 0
         self._streak = 0
+        #: When the last counted failure became known, in the callers' ``sent`` time.
+        self._fault_known = -float("inf")
         self._bucket_span = self.window / _BUCKETS
         self._bucket_index = 0
         self._buckets = [[0, 0, 0] for _ in range(_BUCKETS)]  # calls, failures, slow
@@ -169,9 +175,18 @@ class CircuitBreaker:
             self._flush()
         return allowed
 
-    def record(self, ok: bool, latency: float) -> None:
-        """Report a call's outcome: ``ok`` is False for errors and timeouts."""
+    def record(self, ok: bool, latency: float, sent: float | None = None) -> None:
+        """Report a call's outcome: ``ok`` is False for errors and timeouts. ``sent``: when the
+        call was sent, on any clock of the caller's that moves with real time (``latency``
+        after it, its outcome was known). A failed call sent before the last counted failure
+        was known is part of that fault, and is not counted again (None: always counted)."""
         slow = latency > self.slow_call
+        if not ok and sent is not None:
+            known = sent + latency
+            with self._lock:
+                if sent < self._fault_known:
+                    return  # in flight when the fault was seen: the same fault
+                self._fault_known = known
         with self._lock:
             now = self._clock()
             self._tick(now)

@@ -14,7 +14,10 @@ Every error is a :class:`RatekeeperError`::
         │                                   so it is never retried
         ├── StorageUnavailable              could not connect, or the connection broke
         └── StorageResponseError            the store is unwell: out of memory, READONLY after a
-                                            failover, LOADING, BUSY, CLUSTERDOWN, TRYAGAIN, ...
+            │                               failover, LOADING, BUSY, CLUSTERDOWN, TRYAGAIN, ...
+            └── StorageFull                 the store refused this call's write (OOM): it is up
+                                            and answering, so the breaker counts it as up, and
+                                            what it can still deny stays denied
 
 Errors of the store's client library never escape: they are translated where they enter, in
 ``ratekeeper._storage``. The original exception is kept as ``__cause__``.
@@ -33,6 +36,7 @@ __all__ = [
     "RatekeeperError",
     "RequestRejected",
     "StorageError",
+    "StorageFull",
     "StorageResponseError",
     "StorageTimeout",
     "StorageUnavailable",
@@ -91,3 +95,10 @@ class StorageUnavailable(StorageError):
 
 class StorageResponseError(StorageError):
     """The store answered with an error about its own state (OOM, READONLY, LOADING, ...)."""
+
+
+class StorageFull(StorageResponseError):
+    """The store refused this call's write for want of memory (OOM with ``maxmemory`` and
+    ``noeviction``). The store answered: the failure mode decides this call only, and the
+    breaker stays closed, so identities the store can still deny (a denial writes nothing)
+    stay denied."""

@@ -31,6 +31,7 @@ from ._errors import (
     ConfigError,
     RequestRejected,
     StorageError,
+    StorageFull,
     StorageTimeout,
     StorageUnavailable,
 )
@@ -45,6 +46,13 @@ __all__ = ["DEFAULT_DENY_CACHE_SIZE", "Guard"]
 log = logging.getLogger("ratekeeper")
 
 DEFAULT_DENY_CACHE_SIZE = 10_000
+#: Seconds a cached denial answers without asking the store again (``deny_cache_max_age``):
+#: a reset or a changed limit elsewhere reaches this process within this time.
+DEFAULT_DENY_CACHE_MAX_AGE = 1.0
+#: Keys the ``local`` failure mode keeps (least recently written evicted first): under a flood
+#: of rotated identities during an outage, the process grows by about 12 MB at most
+#: (tests/test_failure_modes.py measures 500,000 identities).
+LOCAL_MAX_KEYS = 10_000
 #: Scaled policies kept for the local fallback (one per policy and share; a fleet count
 #: that changes adds one).
 _MAX_LOCAL_POLICIES = 1024
@@ -85,30 +93,38 @@ def _micros(clock: Callable[[], float]) -> Callable[[], int]:
 
 
 class _DenyCache:
-    """Recent exact denials per key: (until, cost, decision, at), times in integer
-    microseconds so that a cached wait equals the one the store would give. LRU-bounded."""
+    """Recent exact denials per key: (until, cost, decision, at, fresh), times in integer
+    microseconds so that a cached wait equals the one the store would give. LRU-bounded.
 
-    def __init__(self, size: int, clock_us: Callable[[], int]) -> None:
+    An entry answers on its own until ``fresh`` (at most ``max_age`` after the store denied):
+    after that the store is asked again, so that a reset or a changed limit made elsewhere is
+    seen. Until ``until`` (the end of the true wait) it still answers when the store cannot
+    (``stale``): a denial the store made stays a denial through a fault."""
+
+    def __init__(self, size: int, clock_us: Callable[[], int], max_age: float) -> None:
         self.size = size
         self.clock_us = clock_us
+        self.max_age_us = round(max_age * 1_000_000)
         self._lock = threading.Lock()
-        self._entries: OrderedDict[str, tuple[int, int, Decision, int]] = OrderedDict()
+        self._entries: OrderedDict[str, tuple[int, int, Decision, int, int]] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._entries)
 
-    def lookup(self, key: str, cost: int) -> Decision | None:
+    def lookup(self, key: str, cost: int, stale: bool = False) -> Decision | None:
+        """The cached denial of ``cost`` on ``key``; with ``stale``, also one past its
+        freshness (the store could not be asked)."""
         entry = self._entries.get(key)
         if entry is None:
             return None
-        until, denied_cost, decision, at = entry
+        until, denied_cost, decision, at, fresh = entry
         now = self.clock_us()
         if now >= until:
             with self._lock:
                 if self._entries.get(key) is entry:
                     del self._entries[key]
             return None
-        if cost != denied_cost:
+        if cost != denied_cost or (now >= fresh and not stale):
             # Only the same cost has the same wait: a larger one may need longer, or never fit.
             return None
         reset = max(round(decision.reset_after * 1_000_000) - (now - at), 0)
@@ -127,8 +143,9 @@ class _DenyCache:
         retry = decision.retry_after
         if retry is None or math.isinf(retry) or retry <= 0:
             return
+        until = sent + round(retry * 1_000_000)
         with self._lock:
-            self._entries[key] = (sent + round(retry * 1_000_000), cost, decision, sent)
+            self._entries[key] = (until, cost, decision, sent, min(until, sent + self.max_age_us))
             self._entries.move_to_end(key)
             while len(self._entries) > self.size:
                 self._entries.popitem(last=False)
@@ -156,6 +173,7 @@ class Guard:
         local_share: float | str | AutoShare = 1.0,
         breaker: CircuitBreaker | None = None,
         deny_cache: int = DEFAULT_DENY_CACHE_SIZE,
+        deny_cache_max_age: float = DEFAULT_DENY_CACHE_MAX_AGE,
         metrics: Metrics | None = None,
         clock: Clock | None = None,
     ) -> None:
@@ -169,6 +187,14 @@ class Guard:
             raise ConfigError(
                 f"deny_cache must be an int >= 0 (0 turns it off), got {deny_cache!r}"
             )
+        if (
+            isinstance(deny_cache_max_age, bool)
+            or not isinstance(deny_cache_max_age, (int, float))
+            or not 0 < deny_cache_max_age < math.inf
+        ):
+            raise ConfigError(
+                f"deny_cache_max_age must be a number of seconds > 0, got {deny_cache_max_age!r}"
+            )
         if breaker is not None and not isinstance(breaker, CircuitBreaker):
             raise ConfigError(f"breaker must be a CircuitBreaker, got {type(breaker).__name__}")
         self.core = core
@@ -179,7 +205,9 @@ class Guard:
         self.breaker.add_listener(self.metrics.breaker_transition)
         self.breaker.add_listener(self._log_transition)
         self._clock_us = _micros(clock if clock is not None else time.monotonic)
-        self._deny = _DenyCache(deny_cache, self._clock_us) if deny_cache else None
+        self._deny = (
+            _DenyCache(deny_cache, self._clock_us, deny_cache_max_age) if deny_cache else None
+        )
         self._local: MemoryStorage | None = None
         self._local_policies: dict[tuple[Policy, float], Policy | None] = {}
         self._log = _Throttled()
@@ -248,7 +276,13 @@ class Guard:
 
     def failed(self, call: Call, exc: StorageError, started: float) -> Decision:
         elapsed = time.perf_counter() - started
-        self.breaker.record(False, elapsed)
+        if isinstance(exc, StorageFull):
+            # The store answered: it is up, and what it can still deny (a denial writes
+            # nothing) stays denied. Only this call, whose write was refused, is degraded.
+            self.breaker.record(True, elapsed)
+            self.metrics.store_call(elapsed, True)
+            return self._fallback(call, "store_full", exc)
+        self.breaker.record(False, elapsed, started)
         self.metrics.store_call(elapsed, False)
         if isinstance(exc, StorageTimeout):
             reason = "timeout"
@@ -282,8 +316,8 @@ class Guard:
         (someone wrote another type to the fleet key) means the store is up: logged as an error,
         and the count stays as it was."""
         elapsed = time.perf_counter() - started
-        rejected = isinstance(exc, RequestRejected)
-        self.breaker.record(rejected, elapsed)
+        rejected = isinstance(exc, (RequestRejected, StorageFull))
+        self.breaker.record(rejected, elapsed, None if rejected else started)
         self.metrics.store_call(elapsed, rejected)
         if rejected:
             log.error("ratekeeper: the store rejected a fleet heartbeat: %s", exc)
@@ -300,6 +334,12 @@ class Guard:
     # -- failure modes -------------------------------------------------------------------
 
     def _fallback(self, call: Call, reason: str, exc: StorageError | None) -> Decision:
+        if self._deny is not None and call.mode == HIT:
+            # A denial the store made, past its freshness but not its wait: still a denial.
+            cached = self._deny.lookup(call.keys[0], call.cost, stale=True)
+            if cached is not None:
+                self.metrics.decision(cached)
+                return cached
         policy = call.policy
         mode = policy.failure_mode or self.failure_mode
         if mode == "raise":
@@ -359,7 +399,7 @@ class Guard:
         when that share is nothing (an auto share with no fleet count yet, or a limit smaller
         than the fleet)."""
         if self._local is None:
-            self._local = MemoryStorage()
+            self._local = MemoryStorage(max_keys=LOCAL_MAX_KEYS)
         policy = call.policy
         if self.fleet is None:
             assert isinstance(self.local_share, float)

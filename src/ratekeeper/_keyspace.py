@@ -2,7 +2,8 @@
 
 Not thread-safe on its own; the memory storage serialises access with a lock, as Redis
 serialises scripts. Expired keys are dropped lazily on access and purged in bulk by ``purge``,
-so memory stays bounded by the keys that are live.
+so memory stays bounded by the keys that are live; with ``max_keys``, also by a count: a new
+key past it evicts the least recently written one (the ``local`` failure mode's bound).
 """
 
 from __future__ import annotations
@@ -16,11 +17,12 @@ __all__ = ["Keyspace"]
 class Keyspace:
     """A dict of key -> value where every key has an expiry time in microseconds."""
 
-    __slots__ = ("_data", "_heap")
+    __slots__ = ("_data", "_heap", "max_keys")
 
-    def __init__(self) -> None:
+    def __init__(self, max_keys: int | None = None) -> None:
         self._data: dict[str, tuple[Any, int]] = {}
         self._heap: list[tuple[int, str]] = []
+        self.max_keys = max_keys
 
     def __len__(self) -> int:
         return len(self._data)
@@ -38,7 +40,11 @@ class Keyspace:
     def set(self, key: str, value: Any, ttl_ms: int, now_us: int) -> None:
         """Store ``value`` under ``key``, expiring ``ttl_ms`` milliseconds after ``now_us``."""
         expires = now_us + ttl_ms * 1000
-        self._data[key] = (value, expires)
+        data = self._data
+        # With max_keys, least recently written first: a write moves its key to the end.
+        if self.max_keys is not None and data.pop(key, None) is None and len(data) >= self.max_keys:
+            del data[next(iter(data))]
+        data[key] = (value, expires)
         heapq.heappush(self._heap, (expires, key))
         if len(self._heap) > 2 * len(self._data) + 1024:
             self._heap = [(exp, k) for k, (_, exp) in self._data.items()]

@@ -19,7 +19,7 @@ from ._core import Call, Core
 from ._decision import Decision
 from ._errors import RequestRejected, StorageError
 from ._fleet import heartbeat_async, heartbeat_sync
-from ._guard import DEFAULT_DENY_CACHE_SIZE, Guard
+from ._guard import DEFAULT_DENY_CACHE_MAX_AGE, DEFAULT_DENY_CACHE_SIZE, Guard
 from ._keys import DEFAULT_KEY_PREFIX, Identity
 from ._lease import Acquiring, AsyncLease, Lease
 from ._policy import Policy
@@ -58,6 +58,7 @@ class _Base(Generic[_S]):
         local_share: LocalShare = 1.0,
         breaker: CircuitBreaker | None = None,
         deny_cache: int = DEFAULT_DENY_CACHE_SIZE,
+        deny_cache_max_age: float = DEFAULT_DENY_CACHE_MAX_AGE,
         metrics: Metrics | None = None,
     ) -> None:
         self._core = Core(key_prefix=key_prefix, clock=clock)
@@ -67,6 +68,7 @@ class _Base(Generic[_S]):
             local_share=local_share,
             breaker=breaker,
             deny_cache=deny_cache,
+            deny_cache_max_age=deny_cache_max_age,
             metrics=metrics,
             clock=clock,
         )
@@ -163,6 +165,7 @@ class Limiter(_Base[SyncStorage]):
         local_share: LocalShare = 1.0,
         breaker: CircuitBreaker | None = None,
         deny_cache: int = DEFAULT_DENY_CACHE_SIZE,
+        deny_cache_max_age: float = DEFAULT_DENY_CACHE_MAX_AGE,
         metrics: Metrics | None = None,
         timeout: float | None = None,
         connect_timeout: float | None = None,
@@ -188,6 +191,10 @@ class Limiter(_Base[SyncStorage]):
         * ``breaker``: a configured :class:`CircuitBreaker` (default: one with its defaults,
           whose ``slow_call`` is the ``timeout`` below when one is given).
         * ``deny_cache``: entries in the local cache of exact denials (default 10,000; 0 = off).
+        * ``deny_cache_max_age``: seconds a cached denial answers before the store is asked
+          again (default 1.0), so a reset or a changed limit made by another process is seen
+          within it. While the store cannot answer, a cached denial still answers until its
+          wait ends: a denial the store made stays a denial through a fault.
         * ``metrics``: a :class:`ratekeeper.metrics.Metrics` hook.
 
         Redis and Valkey URLs also take (``memory://`` refuses them; None: the default):
@@ -213,6 +220,7 @@ class Limiter(_Base[SyncStorage]):
                 local_share=local_share,
                 breaker=_default_breaker(breaker, timeout),
                 deny_cache=deny_cache,
+                deny_cache_max_age=deny_cache_max_age,
                 metrics=metrics,
             )
         except BaseException:
@@ -230,6 +238,7 @@ class Limiter(_Base[SyncStorage]):
         local_share: LocalShare = 1.0,
         breaker: CircuitBreaker | None = None,
         deny_cache: int = DEFAULT_DENY_CACHE_SIZE,
+        deny_cache_max_age: float = DEFAULT_DENY_CACHE_MAX_AGE,
         metrics: Metrics | None = None,
     ) -> Limiter:
         """A limiter on your own redis-py client: ``redis.Redis`` (Sentinel-managed or not:
@@ -256,6 +265,7 @@ class Limiter(_Base[SyncStorage]):
                 local_share=local_share,
                 breaker=breaker,
                 deny_cache=deny_cache,
+                deny_cache_max_age=deny_cache_max_age,
                 metrics=metrics,
             )
         except BaseException:
@@ -366,6 +376,7 @@ class AsyncLimiter(_Base[AsyncStorage]):
         local_share: LocalShare = 1.0,
         breaker: CircuitBreaker | None = None,
         deny_cache: int = DEFAULT_DENY_CACHE_SIZE,
+        deny_cache_max_age: float = DEFAULT_DENY_CACHE_MAX_AGE,
         metrics: Metrics | None = None,
         timeout: float | None = None,
         connect_timeout: float | None = None,
@@ -392,6 +403,7 @@ class AsyncLimiter(_Base[AsyncStorage]):
             local_share=local_share,
             breaker=_default_breaker(breaker, timeout),
             deny_cache=deny_cache,
+            deny_cache_max_age=deny_cache_max_age,
             metrics=metrics,
         )
 
@@ -406,6 +418,7 @@ class AsyncLimiter(_Base[AsyncStorage]):
         local_share: LocalShare = 1.0,
         breaker: CircuitBreaker | None = None,
         deny_cache: int = DEFAULT_DENY_CACHE_SIZE,
+        deny_cache_max_age: float = DEFAULT_DENY_CACHE_MAX_AGE,
         metrics: Metrics | None = None,
         batching: bool = True,
     ) -> AsyncLimiter:
@@ -421,6 +434,7 @@ class AsyncLimiter(_Base[AsyncStorage]):
             local_share=local_share,
             breaker=breaker,
             deny_cache=deny_cache,
+            deny_cache_max_age=deny_cache_max_age,
             metrics=metrics,
         )
 

@@ -20,11 +20,12 @@ _BY_SCRIPT[fleet.SCRIPT] = fleet.reference  # the local_share="auto" heartbeat
 
 
 class MemoryStorage:
-    """Limiter state in this process. Expired keys are purged as time moves on."""
+    """Limiter state in this process. Expired keys are purged as time moves on; with
+    ``max_keys``, the least recently written key goes when a new one would pass it."""
 
-    def __init__(self, *, clock: Clock = system_clock) -> None:
+    def __init__(self, *, clock: Clock = system_clock, max_keys: int | None = None) -> None:
         self._clock = clock
-        self._keyspace = Keyspace()
+        self._keyspace = Keyspace(max_keys)
         self._lock = threading.Lock()
 
     def _now(self) -> int:

@@ -29,6 +29,7 @@ from redis.exceptions import (
 from ..._errors import (
     RequestRejected,
     StorageError,
+    StorageFull,
     StorageResponseError,
     StorageTimeout,
     StorageUnavailable,
@@ -74,13 +75,19 @@ def translate(exc: Exception) -> StorageError | RequestRejected:
     with ``exc`` as its ``__cause__`` (also when it is handed to a waiting caller instead of
     being raised here)."""
     error: StorageError | RequestRejected
-    if isinstance(exc, redis.TimeoutError):
+    if isinstance(exc, redis.AuthenticationError):
+        # Credentials the store refuses (a wrong password, a password to a server without
+        # one): the configuration's error, raised rather than failed open.
+        error = RequestRejected(f"the store refused the credentials: {exc}")
+    elif isinstance(exc, redis.TimeoutError):
         error = StorageTimeout(f"the store did not answer in time: {exc}")
     elif isinstance(exc, (redis.ConnectionError, RedisClusterException)):
         # RedisClusterException: no reachable node, or a slot no node serves.
         error = StorageUnavailable(f"cannot reach the store: {exc}")
     elif isinstance(exc, redis.ResponseError):
-        if isinstance(exc, _STORE_STATE_CLASSES) or str(exc).startswith(_STORE_STATE_CODES):
+        if isinstance(exc, OutOfMemoryError) or str(exc).startswith("OOM"):
+            error = StorageFull(f"the store refused the write: {exc}")
+        elif isinstance(exc, _STORE_STATE_CLASSES) or str(exc).startswith(_STORE_STATE_CODES):
             error = StorageResponseError(f"the store cannot serve the command: {exc}")
         else:
             error = RequestRejected(f"the store rejected the request: {exc}")

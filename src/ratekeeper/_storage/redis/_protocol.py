@@ -383,9 +383,11 @@ class Links:
         packed = b"".join(pack_command(command) for command in self.handshake)
         replies = await self.round_trip(link, packed, len(self.handshake))
         for command, reply in zip(self.handshake, replies, strict=True):
-            if isinstance(reply, redis.AuthenticationError):
+            if isinstance(reply, Exception):
+                # An error reply to the handshake (a wrong password, a DB index out of range)
+                # is the configuration's, not an outage: raised as redis-py raises it.
                 raise reply
-            if isinstance(reply, Exception) or reply not in (b"OK", "OK"):
+            if reply not in (b"OK", "OK"):
                 what = {"AUTH": "Invalid Username or Password", "SELECT": "Invalid Database"}
                 raise redis.ConnectionError(
                     f"{what.get(command[0], 'Error setting client name')}: {reply}"
