@@ -703,3 +703,46 @@ def test_the_local_mode_grows_by_less_than_20_mb_under_500k_rotated_identities(d
     grown_kb = int(done.stdout.split()[-1])
     print(f"\nlocal mode, 500,000 rotated identities: the process grew by {grown_kb / 1024:.1f} MB")
     assert grown_kb < 20 * 1024
+
+
+def test_a_locally_answered_async_hit_lets_other_tasks_run(dead_url: str, key_prefix: str):
+    """``await hit()`` answered without the store (a cached denial, an open breaker) still
+    yields to the event loop: a loop of such hits cannot starve the other tasks."""
+    policy = Policy("yields", "1/hour")
+
+    async def main() -> tuple[int, int]:
+        ticks = 0
+        stop = asyncio.Event()
+
+        async def ticker() -> None:
+            nonlocal ticks
+            while not stop.is_set():
+                ticks += 1
+                await asyncio.sleep(0)
+
+        async with (
+            AsyncLimiter.from_url("memory://", key_prefix=key_prefix) as cached,
+            AsyncLimiter.from_url(dead_url, key_prefix=key_prefix) as broken,
+        ):
+            assert (await cached.hit(policy, "a")).allowed
+            assert (await cached.hit(policy, "a")).reason is None
+            for _ in range(10):  # opens the breaker of the dead store
+                await broken.hit(policy, "a")
+            assert broken.breaker.state is BreakerState.OPEN
+            task = asyncio.create_task(ticker())
+            await asyncio.sleep(0)
+            start = ticks
+            for _ in range(500):
+                assert (await cached.hit(policy, "a")).reason == "deny_cache"
+            during_cached = ticks - start
+            start = ticks
+            for _ in range(500):
+                assert (await broken.hit(policy, "a")).reason == "breaker_open/open"
+            during_open = ticks - start
+            stop.set()
+            await task
+        return during_cached, during_open
+
+    during_cached, during_open = asyncio.run(main())
+    assert during_cached >= 499
+    assert during_open >= 499

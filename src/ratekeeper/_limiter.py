@@ -7,6 +7,7 @@ to their storage and its reply or error back.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import threading
@@ -442,6 +443,7 @@ class AsyncLimiter(_Base[AsyncStorage]):
         guard = self._guard
         early = guard.before(call, cache_asked)
         if early is not None:
+            await asyncio.sleep(0)  # answered here: still let other tasks run, as I/O would
             return early
         started = guard.started()
         try:
@@ -467,6 +469,7 @@ class AsyncLimiter(_Base[AsyncStorage]):
             keys = core.keys_of(policy, identity)
             cached = self._guard.cached(keys[0])
             if cached is not None:
+                await asyncio.sleep(0)  # a flood of cached denials must not hold the loop
                 return cached
             return await self._run(core.hit(policy, identity, 1, keys), True)  # keys built once
         return await self._run(core.hit(policy, identity, cost))
