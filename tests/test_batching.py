@@ -135,6 +135,63 @@ def test_lanes_overlap_and_keep_each_keys_order() -> None:
     asyncio.run(main())
 
 
+def test_calls_queued_behind_a_timed_out_batch_are_not_sent() -> None:
+    """A batch to one server that timed out fails the calls queued behind it in its lane at
+    once (they waited out the same stall), never sent; the lane then serves new calls."""
+    sent: list[list[str]] = []
+    gate = asyncio.Event()
+
+    async def send(batch: list[_batch.Pending]) -> None:
+        sent.append([call.exchange.key for call in batch])
+        if len(sent) == 1:
+            await gate.wait()
+            for call in batch:
+                call.exchange.timed_out(redis.TimeoutError("Timeout reading from socket"))
+        else:
+            for call in batch:
+                call.exchange.replied(len(sent))
+
+    async def main() -> None:
+        batcher = _batch.Batcher(send, lanes=1)
+        script = load_script("sliding_log")
+        first = batcher.submit(script, ("a",), ())
+        await _turns(1)
+        queued = [batcher.submit(script, (key,), ()) for key in ("b", "c")]
+        await _turns(1)
+        gate.set()
+        outcomes = await asyncio.gather(first, *queued, return_exceptions=True)
+        assert all(isinstance(o, StorageTimeout) for o in outcomes)
+        assert "not sent" in str(outcomes[1])
+        assert sent == [["a"]]  # b and c never went out
+        assert await batcher.submit(script, ("d",), ()) == 2
+
+    asyncio.run(main())
+
+
+def test_a_burst_from_one_gather_is_not_a_slow_store(server: RedisServer, key_prefix: str):
+    """5,000 hits from one asyncio.gather, with the default timeout (20 ms) and breaker: the
+    callers at the back of the queue wait for the event loop to work through the front, which
+    is no fault of the store's. Every hit is decided by the store and the breaker stays closed
+    (it judged each call from its time in the queue: the burst opened it, and the next burst
+    was answered by the failure mode, all 10,000 of it)."""
+    policy = Policy("burst", "1000000/hour", "gcra")
+
+    async def main() -> tuple[list[Decision], str]:
+        async with AsyncLimiter.from_url(server.url, key_prefix=key_prefix) as limiter:
+            await limiter.hit(policy, "warm-up")
+            decisions: list[Decision] = []
+            for burst in range(2):
+                decisions += await asyncio.gather(
+                    *(limiter.hit(policy, f"b{burst}-{i}") for i in range(5_000))
+                )
+            return decisions, str(limiter.breaker.state)
+
+    decisions, state = asyncio.run(main())
+    assert [d.reason for d in decisions if d.degraded] == []
+    assert all(d.allowed for d in decisions)
+    assert state == "closed"
+
+
 Steps = list[list[tuple[Policy, str, int]]]
 
 

@@ -1116,3 +1116,69 @@ def test_one_hiccup_under_asyncio_is_one_fault(
         transitions,
         calls_in,
     )
+
+
+# --- the asyncio latency bound: queued behind a batch in flight ----------------------------------
+
+#: How much longer than its timeout a decision may take, beyond the moments the whole process
+#: was not scheduled: the event loop's turn that delivers the answer.
+QUEUED_SLACK = 0.015
+
+
+@pytest.mark.parametrize("batching", [True, False], ids=["batching", "no-batching"])
+def test_asyncio_decision_waits_at_most_its_timeout(
+    victim: RedisServer, key_prefix: str, batching: bool
+):
+    """64 tasks through a 300 ms stall, with a breaker that never opens (so every call goes to
+    the store and queues behind the batches in flight, the worst case) at a 20 ms timeout and
+    connect timeout: no batched decision waits longer than 20 ms plus the event loop's turn,
+    less process starvation (a call queued behind a batch in flight waited for that batch's
+    timeout, then its own: up to 59 ms, 312 of 2,423 decisions over 40 ms); a call sent alone
+    waits at most the connect timeout and the timeout."""
+    never = CircuitBreaker(min_calls=10**9, consecutive_failures=10**9)
+    jobs = [[(STALL_POLICIES[0], f"queued-{i}")] for i in range(64)]
+    marks: dict[str, Any] = {}
+
+    async def main() -> None:
+        async with AsyncLimiter.from_url(
+            victim.url,
+            key_prefix=key_prefix,
+            breaker=never,
+            timeout=TIMEOUT,
+            connect_timeout=TIMEOUT,
+            batching=batching,
+        ) as limiter:
+            load = marks["load"] = AsyncLoad(limiter, jobs)
+            load.start()
+            try:
+                assert await apoll(lambda: len(load.samples) >= 2_000, timeout=10)
+                with stopped(victim) as stop_at:
+                    marks["stop"] = stop_at
+                    await asyncio.sleep(0.3)  # the stall; the tasks keep calling
+                count = len(load.samples)
+                assert await apoll(lambda: len(load.samples) > count + 2_000, timeout=10)
+            finally:
+                await load.stop()
+
+    with Starvation() as starvation:
+        asyncio.run(main())
+    samples = marks["load"].samples
+    assert errors(samples) == []
+    stalled = [s for s in samples if s.started + s.latency >= marks["stop"]]
+    worst = max(starvation.unexplained(s.started, s.latency) for s in stalled)
+    over = sum(starvation.unexplained(s.started, s.latency) > 2 * TIMEOUT for s in stalled)
+    timed_out = sum(1 for s in stalled if s.decision is not None and s.decision.degraded)
+    record(
+        f"queued_asyncio[{victim.binary.flavor}-{'batching' if batching else 'no-batching'}]",
+        decisions_around_the_stall=len(stalled),
+        degraded=timed_out,
+        max_latency_less_process_starvation_ms=round(worst * 1000, 2),
+        raw_max_latency_ms=round(max(s.latency for s in stalled) * 1000, 2),
+        over_twice_the_timeout=over,
+        worst_process_starvation_ms=round(starvation.worst_gap * 1000, 1),
+    )
+    assert timed_out > 0  # the stall was felt
+    # Batched, a call's deadline covers its time in the queue and in flight; sent alone, a
+    # call that must open a connection (the last one timed out) may wait for it too.
+    bound = TIMEOUT + QUEUED_SLACK if batching else 2 * TIMEOUT + QUEUED_SLACK
+    assert worst <= bound, f"a decision took {worst * 1000:.1f} ms"

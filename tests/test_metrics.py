@@ -8,7 +8,10 @@ switch), with a ManualClock and a breaker on a fake clock, so every count is kno
 from __future__ import annotations
 
 import asyncio
+import itertools
+import logging
 import sys
+import zlib
 from typing import Any
 
 import pytest
@@ -132,17 +135,17 @@ SCENARIO_COUNTS: Counts = {
     (DENY_CACHE_HITS, ("api",)): 4,
     (STORE_LATENCY, ("ok",)): 4,
     (STORE_LATENCY, ("error",)): 2,
-    (BREAKER_STATE, ()): 2,
-    (BREAKER_TRANSITIONS, ("closed", "open")): 1,
+    (BREAKER_STATE, ("",)): 2,
+    (BREAKER_TRANSITIONS, ("closed", "open", "")): 1,
 }
 #: After scenario() and recover(): half-open, two good probes, closed.
 RECOVERED_COUNTS: Counts = {
     **SCENARIO_COUNTS,
     (DECISIONS, ("api", "allowed")): 6,
     (STORE_LATENCY, ("ok",)): 6,
-    (BREAKER_STATE, ()): 0,
-    (BREAKER_TRANSITIONS, ("open", "half_open")): 1,
-    (BREAKER_TRANSITIONS, ("half_open", "closed")): 1,
+    (BREAKER_STATE, ("",)): 0,
+    (BREAKER_TRANSITIONS, ("open", "half_open", "")): 1,
+    (BREAKER_TRANSITIONS, ("half_open", "closed", "")): 1,
 }
 #: What test_*_on_every_backend counts: 3 allowed, a store denial, a cached one.
 BACKEND_COUNTS: Counts = {
@@ -150,7 +153,7 @@ BACKEND_COUNTS: Counts = {
     (DECISIONS, ("everywhere", "denied")): 2,
     (DENY_CACHE_HITS, ("everywhere",)): 1,
     (STORE_LATENCY, ("ok",)): 4,
-    (BREAKER_STATE, ()): 0,
+    (BREAKER_STATE, ("",)): 0,
 }
 
 API = Policy("api", "2/minute")  # the limiter's failure mode: open
@@ -206,7 +209,7 @@ def test_prometheus_samples_are_exact():
         storage.down = False
         breaker_clock.advance(1.0)
         assert breaker.state is BreakerState.HALF_OPEN
-        assert registry.get_sample_value("ratekeeper_breaker_state") == 1.0
+        assert registry.get_sample_value("ratekeeper_breaker_state", {"node": ""}) == 1.0
         recover(limiter, breaker)
 
     assert samples(registry) == prometheus(RECOVERED_COUNTS)
@@ -233,7 +236,7 @@ def test_prometheus_local_mode_and_a_namespace():
         key("shop_decisions_total", policy="cart", outcome="denied"): 1.0,
         key("shop_degraded_decisions_total", policy="cart", reason="unavailable/local"): 3.0,
         key("shop_store_latency_seconds_count", outcome="error"): 3.0,
-        key("shop_breaker_state"): 0.0,  # never moved
+        key("shop_breaker_state", node=""): 0.0,  # never moved
     }
 
 
@@ -372,3 +375,130 @@ def test_prometheus_without_prometheus_client_names_the_extra(monkeypatch: pytes
         ConfigError, match=r"prometheus-client: pip install 'ratekeeper\[prometheus\]'"
     ):
         PrometheusMetrics(registry=CollectorRegistry())
+
+
+# -- one breaker per node ----------------------------------------------------------------------
+
+
+class TwoNodeStorage(SwitchableStorage):
+    """The memory backend as two nodes, ``a:1`` and ``b:2``, by a hash of the key;
+    ``down_nodes`` are unreachable."""
+
+    def __init__(self, clock: ManualClock) -> None:
+        super().__init__(clock)
+        self.down_nodes: set[str] = set()
+
+    def node_of(self, key: str) -> str | None:
+        return "a:1" if zlib.crc32(key.encode()) % 2 == 0 else "b:2"
+
+    def run(self, script: Script, keys: tuple[str, ...], args: tuple[int | str, ...]) -> list[int]:
+        if self.node_of(keys[0]) in self.down_nodes:
+            self.calls += 1
+            raise StorageUnavailable("this node is switched off")
+        return super().run(script, keys, args)
+
+
+def on(limiter: Limiter, policy: Policy, node: str, count: int) -> list[str]:
+    """``count`` identities whose key under ``policy`` is on ``node``."""
+    storage = limiter.storage
+    assert isinstance(storage, TwoNodeStorage)
+    found = (f"id{n}" for n in itertools.count())
+    return list(
+        itertools.islice(
+            (i for i in found if storage.node_of(limiter.keys(policy, i)[0]) == node), count
+        )
+    )
+
+
+class NodeRecorder(Metrics):
+    def __init__(self) -> None:
+        self.added: list[str] = []
+        self.moved: list[tuple[str, str, str]] = []
+
+    def node_breaker_added(self, node: str) -> None:
+        self.added.append(node)
+
+    def node_breaker_transition(self, node: str, old: BreakerState, new: BreakerState) -> None:
+        self.moved.append((node, str(old), str(new)))
+
+
+class OldStyleRecorder:
+    """A hook written before nodes had breakers: only the three original methods."""
+
+    def __init__(self) -> None:
+        self.transitions: list[tuple[str, str]] = []
+
+    def decision(self, decision: Decision) -> None:
+        pass
+
+    def store_call(self, seconds: float, ok: bool) -> None:
+        pass
+
+    def breaker_transition(self, old: BreakerState, new: BreakerState) -> None:
+        self.transitions.append((str(old), str(new)))
+
+
+def _two_nodes(metrics: Any) -> tuple[Limiter, TwoNodeStorage, FakeClock]:
+    clock = ManualClock()
+    breaker_clock = FakeClock()
+    breaker = CircuitBreaker(consecutive_failures=2, open_for=1.0, probes=1, clock=breaker_clock)
+    storage = TwoNodeStorage(clock)
+    return Limiter(storage, clock=clock, breaker=breaker, metrics=metrics), storage, breaker_clock
+
+
+def test_a_dead_node_opens_only_its_own_breaker(caplog: pytest.LogCaptureFixture):
+    """Node b dies: its breaker opens after 2 failures and its keys go to the failure mode;
+    node a's keys are still decided by the store, its breaker closed. Each node's breaker is
+    made like the configured one, named in the metrics hook and the log."""
+    caplog.set_level(logging.WARNING, logger="ratekeeper")
+    recorder = NodeRecorder()
+    limiter, storage, breaker_clock = _two_nodes(recorder)
+    policy = Policy("nodes", "100/minute")
+    with limiter:
+        assert limiter.breakers == {}
+        a, b = on(limiter, policy, "a:1", 3), on(limiter, policy, "b:2", 4)
+        assert not limiter.hit(policy, a[0]).degraded
+        storage.down_nodes.add("b:2")
+        reasons = [limiter.hit(policy, i).reason for i in (*b[:3], *a[1:])]
+        assert reasons == ["unavailable/open", "unavailable/open", "breaker_open/open", None, None]
+        breakers = limiter.breakers
+        assert sorted(breakers) == ["a:1", "b:2"]
+        assert (breakers["a:1"].state, breakers["b:2"].state) == ("closed", "open")
+        assert limiter.breaker.state == "closed"  # the store's own: no call was unplaced
+        assert breakers["b:2"].consecutive_failures == 2  # made like the configured one
+        assert breakers["b:2"] is not limiter.breaker
+        storage.down_nodes.clear()
+        breaker_clock.advance(1.0)
+        assert limiter.hit(policy, b[3]).reason is None  # the probe closes it
+    assert recorder.added == ["a:1", "b:2"]
+    assert recorder.moved == [
+        ("b:2", "closed", "open"),
+        ("b:2", "open", "half_open"),
+        ("b:2", "half_open", "closed"),
+    ]
+    assert "circuit breaker of b:2 closed -> open" in caplog.text
+
+
+def test_node_breakers_in_prometheus_and_an_old_style_hook():
+    registry = CollectorRegistry()
+    limiter, storage, _ = _two_nodes(PrometheusMetrics(registry=registry))
+    policy = Policy("nodes", "100/minute")
+    with limiter:
+        storage.down_nodes.add("b:2")
+        for identity in on(limiter, policy, "a:1", 3) + on(limiter, policy, "b:2", 3):
+            limiter.hit(policy, identity)
+    state = {
+        node: registry.get_sample_value("ratekeeper_breaker_state", {"node": node})
+        for node in ("", "a:1", "b:2")
+    }
+    assert state == {"": 0.0, "a:1": 0.0, "b:2": 2.0}
+    moved = {"from_state": "closed", "to_state": "open", "node": "b:2"}
+    assert registry.get_sample_value("ratekeeper_breaker_transitions_total", moved) == 1.0
+
+    old = OldStyleRecorder()
+    limiter, storage, _ = _two_nodes(old)
+    with limiter:
+        storage.down_nodes.add("a:1")
+        for identity in on(limiter, policy, "a:1", 4):
+            limiter.hit(policy, identity)
+    assert old.transitions == [("closed", "open")]

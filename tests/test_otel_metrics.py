@@ -101,14 +101,17 @@ def otel(counts: Counts, namespace: str = "ratekeeper") -> Points:
     found: Points = {}
     for (i, values), n in counts.items():
         state = i is BREAKER_STATE
-        labels = zip(i.labels, (STATE_NAMES[int(n)],) if state else values, strict=True)
+        labels = zip(i.labels, (STATE_NAMES[int(n)], *values) if state else values, strict=True)
         attributes = tuple(sorted((f"{namespace}.{label}", v) for label, v in labels))
         found[(f"{namespace}.{i.otel}", attributes)] = 1 if state else n
     return found
 
 
 STATE_NAMES = ["closed", "half_open", "open"]
-HALF_OPEN = ("ratekeeper.breakers", (("ratekeeper.breaker.state", "half_open"),))
+HALF_OPEN = (
+    "ratekeeper.breakers",
+    (("ratekeeper.breaker.state", "half_open"), ("ratekeeper.node", "")),
+)
 
 
 def test_the_exact_scenario_and_recovery(sdk: SDK):
@@ -123,7 +126,7 @@ def test_the_exact_scenario_and_recovery(sdk: SDK):
         breaker_clock.advance(1.0)
         assert breaker.state is BreakerState.HALF_OPEN
         assert points(reader)[HALF_OPEN] == 1
-        assert otel({(BREAKER_STATE, ()): 1}) == {HALF_OPEN: 1}
+        assert otel({(BREAKER_STATE, ("",)): 1}) == {HALF_OPEN: 1}
         recover(limiter, breaker)
     assert points(reader) == otel(RECOVERED_COUNTS)
 
@@ -182,7 +185,7 @@ def test_a_meter_and_a_namespace(sdk: SDK):
         ("shop.decisions", (("shop.outcome", "allowed"), ("shop.policy", "cart"))): 2,
         ("shop.decisions", (("shop.outcome", "denied"), ("shop.policy", "cart"))): 1,
         ("shop.store.duration", (("shop.outcome", "ok"),)): 3,
-        ("shop.breakers", (("shop.breaker.state", "closed"),)): 1,  # never moved
+        ("shop.breakers", (("shop.breaker.state", "closed"), ("shop.node", ""))): 1,  # not moved
     }
 
 
@@ -212,7 +215,7 @@ def test_each_failure_mode_on_a_dead_store(
     counts: Counts = {
         (DEGRADED, ("cart", f"unavailable/{mode}")): 3,
         (STORE_LATENCY, ("error",)): 3,
-        (BREAKER_STATE, ()): 0,
+        (BREAKER_STATE, ("",)): 0,
     }
     for outcome in ("allowed", "denied"):
         if n := sum(a is (outcome == "allowed") for a in allowed):
@@ -240,8 +243,8 @@ def test_the_breaker_opens_on_a_dead_store(key_prefix: str, sdk: SDK):
             (DEGRADED, ("cart", "unavailable/closed")): 2,
             (DEGRADED, ("cart", "breaker_open/closed")): 2,
             (STORE_LATENCY, ("error",)): 2,
-            (BREAKER_STATE, ()): 2,
-            (BREAKER_TRANSITIONS, ("closed", "open")): 1,
+            (BREAKER_STATE, ("",)): 2,
+            (BREAKER_TRANSITIONS, ("closed", "open", "")): 1,
         }
     )
 

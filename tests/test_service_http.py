@@ -116,7 +116,7 @@ def test_healthcheck_metrics_rlconfig(tmp_path: Path, redis_url: str) -> None:
                     'outcome="ok"} 1.0' in text
                 )
                 assert 'ratekeeper_store_latency_seconds_count{outcome="ok"}' in text
-                assert "ratekeeper_breaker_state 0.0" in text
+                assert 'ratekeeper_breaker_state{node=""} 0.0' in text
                 assert 'ratekeeper_service_config_reloads_total{outcome="ok"} 1.0' in text
                 shown = (await http.get("/rlconfig")).json()
                 assert shown["sources"] == [str(config)]

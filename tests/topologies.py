@@ -42,8 +42,9 @@ from redis.backoff import NoBackoff
 from redis.crc import key_slot
 from redis.retry import Retry
 
-from ratekeeper import AsyncLimiter, Decision, Limiter, Policy
+from ratekeeper import AsyncLimiter, BreakerState, Decision, Limiter, Policy
 from ratekeeper._keys import Identity
+from ratekeeper.metrics import Metrics
 
 from .servers import RedisServer, ServerBinary, free_port
 
@@ -719,6 +720,25 @@ class LoadStats:
         )
 
 
+class BreakerLog(Metrics):
+    """A limiter's ``metrics``: every transition of its breakers, with the node (empty for the
+    store's one breaker), as (monotonic time, node, new state)."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple[float, str, str]] = []
+
+    def node_breaker_transition(self, node: str, old: BreakerState, new: BreakerState) -> None:
+        self.events.append((time.monotonic(), node, str(new)))
+
+    def breaker_transition(self, old: BreakerState, new: BreakerState) -> None:
+        self.node_breaker_transition("", old, new)
+
+    def since(self, start: float) -> str:
+        """The transitions, in seconds from ``start`` ("none" if there was none)."""
+        shown = [f"{t - start:+.2f}s {node or 'store'} {new}" for t, node, new in self.events]
+        return ", ".join(shown) or "none"
+
+
 class HitLoad:
     """``threads`` threads hit ``policy`` with one limiter until stopped.
 
@@ -739,11 +759,6 @@ class HitLoad:
         self.policy = policy
         self.identities = identities
         self.stop_event = threading.Event()
-        #: (monotonic time, old state, new state) of every breaker transition.
-        self.transitions: list[tuple[float, str, str]] = []
-        limiter.breaker.add_listener(
-            lambda old, new: self.transitions.append((time.monotonic(), str(old), str(new)))
-        )
         self.per_thread = [LoadStats() for _ in range(threads)]
         self.threads = [
             threading.Thread(target=self._run, args=(i,), daemon=True) for i in range(threads)

@@ -33,6 +33,7 @@ import threading
 import time
 from collections.abc import Callable
 from enum import Enum
+from typing import Any
 
 from ._errors import ConfigError
 
@@ -97,6 +98,18 @@ class CircuitBreaker:
             raise ConfigError("breaker max_open_for must be >= open_for")
         self.probes = _count("probes", probes)
         self._clock = clock
+        self._settings: dict[str, Any] = {
+            "window": window,
+            "min_calls": min_calls,
+            "failure_ratio": failure_ratio,
+            "slow_call": slow_call,
+            "slow_ratio": slow_ratio,
+            "consecutive_failures": consecutive_failures,
+            "open_for": open_for,
+            "max_open_for": max_open_for,
+            "probes": probes,
+            "clock": clock,
+        }
         self._lock = threading.Lock()
         self._listeners: list[Callable[[BreakerState, BreakerState], None]] = []
         self._events: list[tuple[BreakerState, BreakerState]] = []
@@ -145,6 +158,11 @@ class CircuitBreaker:
                 wait = max(self._opened_at + self._open_for - now, 0.0)
         self._flush()
         return wait
+
+    def like(self) -> CircuitBreaker:
+        """A new breaker, closed, with this one's settings and clock (no history, no
+        listeners): one per failure domain, configured once."""
+        return CircuitBreaker(**self._settings)
 
     def add_listener(self, listener: Callable[[BreakerState, BreakerState], None]) -> None:
         """Call ``listener(old, new)`` on every transition."""

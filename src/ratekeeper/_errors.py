@@ -13,11 +13,11 @@ Every error is a :class:`RatekeeperError`::
         ├── StorageTimeout                  no reply within the deadline; the call may have run,
         │                                   so it is never retried
         ├── StorageUnavailable              could not connect, or the connection broke
-        └── StorageResponseError            the store is unwell: out of memory, READONLY after a
-            │                               failover, LOADING, BUSY, CLUSTERDOWN, TRYAGAIN, ...
-            └── StorageFull                 the store refused this call's write (OOM): it is up
-                                            and answering, so the breaker counts it as up, and
-                                            what it can still deny stays denied
+        └── StorageResponseError            the store answered that it cannot serve: READONLY
+            │                               after a failover, LOADING, BUSY, CLUSTERDOWN, ...;
+            │                               it is up and answering, so the breaker counts it as
+            │                               up, and what it can still deny stays denied
+            └── StorageFull                 the store refused this call's write (OOM)
 
 Errors of the store's client library never escape: they are translated where they enter, in
 ``ratekeeper._storage``. The original exception is kept as ``__cause__``.
@@ -94,11 +94,13 @@ class StorageUnavailable(StorageError):
 
 
 class StorageResponseError(StorageError):
-    """The store answered with an error about its own state (OOM, READONLY, LOADING, ...)."""
+    """The store answered with an error about its own state (OOM, READONLY, LOADING,
+    CLUSTERDOWN, ...). It answered: the failure mode decides this call only, and the breaker
+    counts an answer (it guards against a store that is slow or gone, not one that says no
+    quickly), so the next calls ask again and are decided by the store as soon as it can."""
 
 
 class StorageFull(StorageResponseError):
     """The store refused this call's write for want of memory (OOM with ``maxmemory`` and
-    ``noeviction``). The store answered: the failure mode decides this call only, and the
-    breaker stays closed, so identities the store can still deny (a denial writes nothing)
-    stay denied."""
+    ``noeviction``). Identities the store can still deny (a denial writes nothing) stay
+    denied."""

@@ -32,8 +32,12 @@ from ._errors import ConfigError, RequestRejected, StorageError
 from ._scripts import Script, load_script
 
 if TYPE_CHECKING:
+    from ._breaker import CircuitBreaker
     from ._guard import Guard
     from ._storage import AsyncStorage, SyncStorage
+
+    #: When a heartbeat was sent, and the breaker of the node it went to.
+    _Sent = tuple[float, CircuitBreaker]
 
 __all__ = ["AutoShare", "Fleet", "check_local_share", "heartbeat_async", "heartbeat_sync"]
 
@@ -182,25 +186,29 @@ class Fleet:
             await asyncio.gather(*self._tasks)
 
 
-def _beat_started(guard: Guard) -> tuple[Fleet, Beat, float] | None:
+def _beat_started(guard: Guard) -> tuple[Fleet, Beat, _Sent] | None:
     fleet = guard.fleet
-    if fleet is None or not guard.beat_allowed():
+    if fleet is None:
+        return None
+    breaker = guard.breaker_of(fleet.key)
+    if not guard.beat_allowed(breaker):
         return None
     beat = fleet.due()
     if beat is None:
         return None
-    return fleet, beat, guard.started()
+    return fleet, beat, (guard.started(), breaker)
 
 
 def _beaten(
-    guard: Guard, fleet: Fleet, started: float, outcome: list[int] | StorageError | RequestRejected
+    guard: Guard, fleet: Fleet, sent: _Sent, outcome: list[int] | StorageError | RequestRejected
 ) -> None:
     """A heartbeat's outcome, told to the guard (breaker, metrics, log) and to the fleet."""
+    started, breaker = sent
     if isinstance(outcome, list):
-        guard.beat_succeeded(started)
+        guard.beat_succeeded(started, breaker)
         fleet.beaten(outcome)
     else:
-        guard.beat_failed(outcome, started)
+        guard.beat_failed(outcome, started, breaker)
         fleet.beaten(None)
 
 

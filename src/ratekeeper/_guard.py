@@ -2,14 +2,19 @@
 
 ``Limiter`` and ``AsyncLimiter`` drive it the same way::
 
-    early = guard.before(call)          # a cached denial or an open breaker answers at once
+    breaker = guard.breaker_of(call.keys[0])    # the breaker of the node that serves it
+    early = guard.before(call, breaker)         # a cached denial or an open breaker answers
     if early is None:
         started = guard.started()
         try:
             reply = <run call on the store>
         except StorageError as exc:
-            return guard.failed(call, exc, started)   # the failure mode decides, or raises
-        return guard.succeeded(call, reply, started)
+            return guard.failed(call, exc, started, breaker)  # the failure mode, or raises
+        return guard.succeeded(call, reply, started, breaker)
+
+One breaker per failure domain: a storage that can tell which server serves a key (a cluster's
+primaries, the primary Sentinel names) has ``node_of(key)``, and each node gets a breaker made
+``like`` the configured one, so a slow or dead node degrades only the keys it serves.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import replace
+from typing import Any
 
 from ._algorithms import HIT, RELEASE
 from ._breaker import BreakerState, CircuitBreaker
@@ -32,6 +38,7 @@ from ._errors import (
     RequestRejected,
     StorageError,
     StorageFull,
+    StorageResponseError,
     StorageTimeout,
     StorageUnavailable,
 )
@@ -176,6 +183,7 @@ class Guard:
         deny_cache_max_age: float = DEFAULT_DENY_CACHE_MAX_AGE,
         metrics: Metrics | None = None,
         clock: Clock | None = None,
+        node_of: Callable[[str], str | None] | None = None,
     ) -> None:
         if failure_mode not in FAILURE_MODES:
             raise ConfigError(
@@ -204,6 +212,10 @@ class Guard:
         self.metrics = metrics if metrics is not None else Metrics()
         self.breaker.add_listener(self.metrics.breaker_transition)
         self.breaker.add_listener(self._log_transition)
+        #: Which node serves a key (None: the storage has one server, or cannot tell yet).
+        self._node_of = node_of
+        self._nodes: dict[str, CircuitBreaker] = {}
+        self._nodes_lock = threading.Lock()
         self._clock_us = _micros(clock if clock is not None else time.monotonic)
         self._deny = (
             _DenyCache(deny_cache, self._clock_us, deny_cache_max_age) if deny_cache else None
@@ -224,6 +236,45 @@ class Guard:
 
     # -- the flow ------------------------------------------------------------------------
 
+    def breaker_of(self, key: str) -> CircuitBreaker:
+        """The breaker of the node that serves ``key``: the store's one breaker on a single
+        server (or while the storage cannot tell), else that node's."""
+        if self._node_of is None:
+            return self.breaker
+        node = self._node_of(key)
+        if node is None:
+            return self.breaker
+        breaker = self._nodes.get(node)
+        return breaker if breaker is not None else self._add_node(node)
+
+    @property
+    def nodes(self) -> dict[str, CircuitBreaker]:
+        """The breaker of each node seen so far, by ``host:port``."""
+        return dict(self._nodes)
+
+    def _add_node(self, node: str) -> CircuitBreaker:
+        with self._nodes_lock:
+            breaker = self._nodes.get(node)
+            if breaker is not None:
+                return breaker
+            breaker = self.breaker.like()
+            metrics: Any = self.metrics  # an object with Metrics' methods; older ones lack these
+            added = getattr(metrics, "node_breaker_added", None)
+            moved = getattr(metrics, "node_breaker_transition", None)
+
+            def transition(old: BreakerState, new: BreakerState) -> None:
+                if moved is not None:
+                    moved(node, old, new)
+                else:
+                    metrics.breaker_transition(old, new)
+                self._log_transition(old, new, node)
+
+            breaker.add_listener(transition)
+            if added is not None:
+                added(node)
+            self._nodes[node] = breaker
+            return breaker
+
     def caches(self, policy: Policy) -> bool:
         """Whether denials under ``policy`` may be cached (then ask ``cached`` first)."""
         return self._deny is not None and policy.algorithm in _CACHEABLE
@@ -237,24 +288,29 @@ class Guard:
             self.metrics.decision(cached)
         return cached
 
-    def before(self, call: Call, cache_asked: bool = False) -> Decision | None:
-        """A decision made without the store, or None to ask the store. ``cache_asked``: the
-        caller already asked ``cached`` for this call (the deny cache is not asked twice)."""
+    def before(
+        self, call: Call, breaker: CircuitBreaker, cache_asked: bool = False
+    ) -> Decision | None:
+        """A decision made without the store, or None to ask the store. ``breaker``: the
+        call's (``breaker_of``). ``cache_asked``: the caller already asked ``cached`` for this
+        call (the deny cache is not asked twice)."""
         if not cache_asked and self._deny is not None and call.mode == HIT:
             cached = self._deny.lookup(call.keys[0], call.cost)
             if cached is not None:
                 self.metrics.decision(cached)
                 return cached
-        if self.breaker.allow():
+        if breaker.allow():
             return None
-        return self._fallback(call, "breaker_open", None)
+        return self._fallback(call, "breaker_open", None, breaker)
 
     def started(self) -> float:
         return time.perf_counter()
 
-    def succeeded(self, call: Call, reply: list[int], started: float) -> Decision:
+    def succeeded(
+        self, call: Call, reply: list[int], started: float, breaker: CircuitBreaker
+    ) -> Decision:
         elapsed = time.perf_counter() - started
-        self.breaker.record(True, elapsed)
+        breaker.record(True, elapsed)
         self.metrics.store_call(elapsed, True)
         decision = self.core.decide(call, reply)
         if self._deny is not None and decision.allowed and call.mode == HIT:
@@ -274,50 +330,57 @@ class Guard:
         self.metrics.decision(decision)
         return decision
 
-    def failed(self, call: Call, exc: StorageError, started: float) -> Decision:
+    def failed(
+        self, call: Call, exc: StorageError, started: float, breaker: CircuitBreaker
+    ) -> Decision:
         elapsed = time.perf_counter() - started
-        if isinstance(exc, StorageFull):
-            # The store answered: it is up, and what it can still deny (a denial writes
-            # nothing) stays denied. Only this call, whose write was refused, is degraded.
-            self.breaker.record(True, elapsed)
+        if isinstance(exc, StorageResponseError):
+            # The store answered (OOM, READONLY, CLUSTERDOWN, LOADING, ...): it is up, so the
+            # breaker counts an answer, not an outage, and what the store can still deny (a
+            # denial writes nothing) stays denied. Only this call is degraded; the next ones
+            # go on asking, and are decided by the store the moment it can again.
+            breaker.record(True, elapsed)
             self.metrics.store_call(elapsed, True)
-            return self._fallback(call, "store_full", exc)
-        self.breaker.record(False, elapsed, started)
+            reason = "store_full" if isinstance(exc, StorageFull) else "store_error"
+            return self._fallback(call, reason, exc, breaker)
+        breaker.record(False, elapsed, started)
         self.metrics.store_call(elapsed, False)
         if isinstance(exc, StorageTimeout):
             reason = "timeout"
         elif isinstance(exc, StorageUnavailable):
             reason = "unavailable"
-        else:
+        else:  # a storage of the user's own raising StorageError itself
             reason = "store_error"
-        return self._fallback(call, reason, exc)
+        return self._fallback(call, reason, exc, breaker)
 
-    def rejected(self, started: float) -> None:
+    def rejected(self, started: float, breaker: CircuitBreaker) -> None:
         """The store refused the request itself (RequestRejected): it is up and answering, so
         the call counts as a good one for the breaker (and ends a half-open probe)."""
         elapsed = time.perf_counter() - started
-        self.breaker.record(True, elapsed)
+        breaker.record(True, elapsed)
         self.metrics.store_call(elapsed, True)
 
     # -- fleet heartbeats (local_share="auto"; driven by ``_fleet.heartbeat_*``) ---------------
 
-    def beat_allowed(self) -> bool:
-        """Heartbeats go only to a store the breaker trusts: never as a half-open probe."""
-        return self.breaker.state is BreakerState.CLOSED
+    def beat_allowed(self, breaker: CircuitBreaker) -> bool:
+        """Heartbeats go only to a node the breaker trusts: never as a half-open probe."""
+        return breaker.state is BreakerState.CLOSED
 
-    def beat_succeeded(self, started: float) -> None:
+    def beat_succeeded(self, started: float, breaker: CircuitBreaker) -> None:
         elapsed = time.perf_counter() - started
-        self.breaker.record(True, elapsed)
+        breaker.record(True, elapsed)
         self.metrics.store_call(elapsed, True)
 
-    def beat_failed(self, exc: StorageError | RequestRejected, started: float) -> None:
+    def beat_failed(
+        self, exc: StorageError | RequestRejected, started: float, breaker: CircuitBreaker
+    ) -> None:
         """A failed heartbeat: one failed store call for the breaker and the metrics, logged at
         the bounded rate; never raised (the caller's decision is already made). A rejected one
         (someone wrote another type to the fleet key) means the store is up: logged as an error,
         and the count stays as it was."""
         elapsed = time.perf_counter() - started
-        rejected = isinstance(exc, (RequestRejected, StorageFull))
-        self.breaker.record(rejected, elapsed, None if rejected else started)
+        rejected = isinstance(exc, (RequestRejected, StorageResponseError))
+        breaker.record(rejected, elapsed, None if rejected else started)
         self.metrics.store_call(elapsed, rejected)
         if rejected:
             log.error("ratekeeper: the store rejected a fleet heartbeat: %s", exc)
@@ -333,7 +396,9 @@ class Guard:
 
     # -- failure modes -------------------------------------------------------------------
 
-    def _fallback(self, call: Call, reason: str, exc: StorageError | None) -> Decision:
+    def _fallback(
+        self, call: Call, reason: str, exc: StorageError | None, breaker: CircuitBreaker
+    ) -> Decision:
         if self._deny is not None and call.mode == HIT:
             # A denial the store made, past its freshness but not its wait: still a denial.
             cached = self._deny.lookup(call.keys[0], call.cost, stale=True)
@@ -346,7 +411,7 @@ class Guard:
             if exc is None:
                 exc = StorageUnavailable(
                     f"the circuit breaker is open: the store is not asked for "
-                    f"{self.breaker.retry_after():.3f} s more"
+                    f"{breaker.retry_after():.3f} s more"
                 )
             raise exc
         rate = policy.rates[0]
@@ -356,12 +421,12 @@ class Guard:
         elif mode == "open":
             decision = self._degraded(policy, rate, True, None, f"{reason}/open")
         elif mode == "closed":
-            wait = self.breaker.retry_after() or self.breaker.open_for
+            wait = breaker.retry_after() or breaker.open_for
             decision = self._degraded(policy, rate, False, wait, f"{reason}/closed")
         else:
             local = self._local_call(call)
             if local is None:  # no fleet count yet, or a share of 0: deny, as closed does
-                wait = self.breaker.retry_after() or self.breaker.open_for
+                wait = breaker.retry_after() or breaker.open_for
                 decision = self._degraded(policy, rate, False, wait, f"{reason}/local")
             else:
                 assert self._local is not None
@@ -438,5 +503,8 @@ class Guard:
             max_log_entries=policy.max_log_entries,
         )
 
-    def _log_transition(self, old: object, new: object) -> None:
-        log.warning("ratekeeper: circuit breaker %s -> %s", old, new)
+    def _log_transition(self, old: object, new: object, node: str | None = None) -> None:
+        if node is None:
+            log.warning("ratekeeper: circuit breaker %s -> %s", old, new)
+        else:
+            log.warning("ratekeeper: circuit breaker of %s %s -> %s", node, old, new)

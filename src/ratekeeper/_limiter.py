@@ -32,6 +32,7 @@ from ._storage import (
     open_client_sync,
     open_sync,
 )
+from ._storage.base import SENT
 from .metrics import Metrics
 from .typing import FailureMode, LocalShare
 
@@ -72,13 +73,23 @@ class _Base(Generic[_S]):
             deny_cache_max_age=deny_cache_max_age,
             metrics=metrics,
             clock=clock,
+            node_of=getattr(storage, "node_of", None),
         )
         self.storage: _S = storage
 
     @property
     def breaker(self) -> CircuitBreaker:
-        """The circuit breaker in front of the store (``breaker.state``)."""
+        """The circuit breaker in front of the store (``breaker.state``): on a cluster or
+        Sentinel, the one in front of calls not yet placed on a node (see ``breakers``)."""
         return self._guard.breaker
+
+    @property
+    def breakers(self) -> dict[str, CircuitBreaker]:
+        """On a cluster or Sentinel, the breaker of each primary seen so far, by
+        ``host:port``: each is made like ``breaker``, and a slow or dead node opens only its
+        own, so the keys of the other nodes are still decided by the store. Empty on a single
+        server and ``memory://``."""
+        return self._guard.nodes
 
     def keys(self, policy: Policy, identity: Identity) -> tuple[str, ...]:
         """The store keys that hold ``identity``'s state under ``policy`` (for debugging)."""
@@ -275,18 +286,19 @@ class Limiter(_Base[SyncStorage]):
 
     def _run(self, call: Call, cache_asked: bool = False) -> Decision:
         guard = self._guard
-        early = guard.before(call, cache_asked)
+        breaker = guard.breaker_of(call.keys[0])
+        early = guard.before(call, breaker, cache_asked)
         if early is not None:
             return early
         started = guard.started()
         try:
             reply = self.storage.run(call.script, call.keys, call.args)
         except StorageError as exc:
-            return guard.failed(call, exc, started)
+            return guard.failed(call, exc, started, breaker)
         except RequestRejected:
-            guard.rejected(started)
+            guard.rejected(started, breaker)
             raise
-        decision = guard.succeeded(call, reply, started)
+        decision = guard.succeeded(call, reply, started, breaker)
         if guard.fleet is not None:  # local_share="auto": a heartbeat when one is due
             heartbeat_sync(guard, self.storage)
         return decision
@@ -441,7 +453,8 @@ class AsyncLimiter(_Base[AsyncStorage]):
 
     async def _run(self, call: Call, cache_asked: bool = False) -> Decision:
         guard = self._guard
-        early = guard.before(call, cache_asked)
+        breaker = guard.breaker_of(call.keys[0])
+        early = guard.before(call, breaker, cache_asked)
         if early is not None:
             await asyncio.sleep(0)  # answered here: still let other tasks run, as I/O would
             return early
@@ -449,13 +462,16 @@ class AsyncLimiter(_Base[AsyncStorage]):
         try:
             reply = await self.storage.run(call.script, call.keys, call.args)
         except StorageError as exc:
-            return guard.failed(call, exc, started)
+            return guard.failed(call, exc, max(started, SENT.get()), breaker)
         except RequestRejected:
-            guard.rejected(started)
+            guard.rejected(max(started, SENT.get()), breaker)
             raise
+        # The store is judged from when the call was sent: a batching storage may have
+        # queued it behind a burst of other calls first (``SENT``).
+        started = max(started, SENT.get())
         if guard.fleet is not None:  # local_share="auto": a heartbeat task when one is due
             heartbeat_async(guard, self.storage)
-        return guard.succeeded(call, reply, started)
+        return guard.succeeded(call, reply, started, breaker)
 
     async def hit(self, policy: Policy, identity: Identity, cost: int = 1) -> Decision:
         """Consume ``cost`` if every rate of ``policy`` admits it; otherwise change nothing."""

@@ -1,6 +1,6 @@
 """Metrics hooks, and adapters for Prometheus and OpenTelemetry.
 
-Pass ``metrics=`` to a limiter: an object with the three methods of :class:`Metrics` (subclass it
+Pass ``metrics=`` to a limiter: an object with the methods of :class:`Metrics` (subclass it
 and override what you need). The limiter calls them after each decision, each store call and
 each breaker transition; nothing inside the algorithms is timed.
 
@@ -37,7 +37,16 @@ class Metrics:
         """After every store call, with its wall time and whether it succeeded."""
 
     def breaker_transition(self, old: BreakerState, new: BreakerState) -> None:
-        """When the circuit breaker changes state."""
+        """When the store's circuit breaker changes state (one server; on a cluster or
+        Sentinel, the breaker of calls not yet placed on a node)."""
+
+    def node_breaker_added(self, node: str) -> None:
+        """A cluster primary or a Sentinel-named primary, ``node`` (``host:port``), got a
+        breaker of its own, closed (on its first call)."""
+
+    def node_breaker_transition(self, node: str, old: BreakerState, new: BreakerState) -> None:
+        """When the breaker of ``node`` changes state. By default, ``breaker_transition``."""
+        self.breaker_transition(old, new)
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,9 +59,11 @@ class Instrument:
     names under the namespace (``ratekeeper.policy``).
 
     Kind ``state`` is the breaker's state, exported as each system expects it: Prometheus as a
-    gauge of the state's number (0 closed, 1 half-open, 2 open; no label), OpenTelemetry as an
-    UpDownCounter of breakers in each state, its one label naming the state (the pattern of
-    OpenTelemetry's ``db.client.connection.count``), which sums across limiters and instances.
+    gauge of the state's number (0 closed, 1 half-open, 2 open) per ``node``, OpenTelemetry as
+    an UpDownCounter of breakers in each state and node (the pattern of OpenTelemetry's
+    ``db.client.connection.count``), which sums across limiters and instances. ``node`` is
+    ``host:port`` of a cluster primary or Sentinel-named primary, each of which has a breaker of
+    its own, and empty for the store's one breaker.
     """
 
     kind: Literal["counter", "histogram", "state"]
@@ -64,8 +75,8 @@ class Instrument:
 
     @property
     def prometheus_labels(self) -> tuple[str, ...]:
-        """The Prometheus label names: none for the state, whose value is its number."""
-        return () if self.kind == "state" else self.labels
+        """The Prometheus label names: the state's value is its number, not a label."""
+        return self.labels[1:] if self.kind == "state" else self.labels
 
 
 DECISIONS = Instrument(
@@ -85,11 +96,12 @@ STORE_LATENCY = Instrument(
     ("outcome",),
 )  # fmt: skip
 BREAKER_STATE = Instrument(
-    "state", "breaker_state", "breakers", "{breaker}", "Circuit breaker state", ("breaker.state",)
+    "state", "breaker_state", "breakers", "{breaker}", "Circuit breaker state",
+    ("breaker.state", "node"),
 )  # fmt: skip
 BREAKER_TRANSITIONS = Instrument(
     "counter", "breaker_transitions", "breaker.transitions", "{transition}",
-    "Circuit breaker transitions", ("from_state", "to_state"),
+    "Circuit breaker transitions", ("from_state", "to_state", "node"),
 )  # fmt: skip
 
 #: Every instrument both adapters export; each adapter's docstring gives the names it exports.
@@ -113,7 +125,7 @@ class _Exporter(Metrics):
     def _record(self, instrument: Instrument, values: tuple[str, ...], value: float) -> None:
         raise NotImplementedError
 
-    def _set_state(self, old: BreakerState | None, new: BreakerState) -> None:
+    def _set_state(self, node: str, old: BreakerState | None, new: BreakerState) -> None:
         raise NotImplementedError
 
     def decision(self, decision: Decision) -> None:
@@ -127,8 +139,14 @@ class _Exporter(Metrics):
         self._record(STORE_LATENCY, ("ok" if ok else "error",), seconds)
 
     def breaker_transition(self, old: BreakerState, new: BreakerState) -> None:
-        self._set_state(old, new)
-        self._add(BREAKER_TRANSITIONS, (old.value, new.value))
+        self.node_breaker_transition("", old, new)
+
+    def node_breaker_added(self, node: str) -> None:
+        self._set_state(node, None, BreakerState.CLOSED)
+
+    def node_breaker_transition(self, node: str, old: BreakerState, new: BreakerState) -> None:
+        self._set_state(node, old, new)
+        self._add(BREAKER_TRANSITIONS, (old.value, new.value, node))
 
 
 def _missing(adapter: str, package: str, extra: str) -> ConfigError:
@@ -142,8 +160,11 @@ class PrometheusMetrics(_Exporter):
     * ``<ns>_degraded_decisions_total{policy, reason}``
     * ``<ns>_deny_cache_hits_total{policy}``
     * ``<ns>_store_latency_seconds{outcome}``: a histogram; outcome ``ok`` or ``error``
-    * ``<ns>_breaker_state``: 0 closed, 1 half-open, 2 open
-    * ``<ns>_breaker_transitions_total{from_state, to_state}``
+    * ``<ns>_breaker_state{node}``: 0 closed, 1 half-open, 2 open
+    * ``<ns>_breaker_transitions_total{from_state, to_state, node}``
+
+    ``node`` is ``host:port`` of a cluster primary or of a Sentinel-named primary (each has a
+    breaker of its own), and empty for the one breaker of a single server.
 
     ``registry`` defaults to prometheus-client's global one.
     """
@@ -174,6 +195,7 @@ class PrometheusMetrics(_Exporter):
         self.latency = made[STORE_LATENCY]
         self.breaker_state = made[BREAKER_STATE]
         self.breaker_transitions = made[BREAKER_TRANSITIONS]
+        self._set_state("", None, BreakerState.CLOSED)
 
     def _add(self, instrument: Instrument, values: tuple[str, ...]) -> None:
         self._made[instrument].labels(*values).inc()
@@ -181,8 +203,8 @@ class PrometheusMetrics(_Exporter):
     def _record(self, instrument: Instrument, values: tuple[str, ...], value: float) -> None:
         self._made[instrument].labels(*values).observe(value)
 
-    def _set_state(self, old: BreakerState | None, new: BreakerState) -> None:
-        self.breaker_state.set(_STATE_VALUES[new])
+    def _set_state(self, node: str, old: BreakerState | None, new: BreakerState) -> None:
+        self.breaker_state.labels(node).set(_STATE_VALUES[new])
 
 
 class OTelMetrics(_Exporter):
@@ -196,11 +218,12 @@ class OTelMetrics(_Exporter):
     * ``<ns>.store.duration`` (histogram, ``s``): ``<ns>.outcome`` (``ok`` or ``error``);
       the same bucket boundaries as Prometheus, given as advice the SDK's views may override
     * ``<ns>.breakers`` (UpDownCounter, ``{breaker}``): ``<ns>.breaker.state`` (``closed``,
-      ``half_open`` or ``open``): the number of breakers in each state. Each adapter counts
-      one breaker, closed from the start; adapters on one provider add up, so one per limiter
-      shows how many limiters are open
+      ``half_open`` or ``open``), ``<ns>.node``: the number of breakers in each state. Each
+      adapter counts the store's one breaker (node empty), closed from the start, and each
+      node's (``host:port`` of a cluster primary or a Sentinel-named primary) from its first
+      call; adapters on one provider add up, so one per limiter shows how many are open
     * ``<ns>.breaker.transitions`` (counter, ``{transition}``): ``<ns>.from_state``,
-      ``<ns>.to_state``
+      ``<ns>.to_state``, ``<ns>.node``
 
     The instruments come from ``meter`` if given, else from a meter named ``ratekeeper`` of
     ``meter_provider``, by default the global provider (``opentelemetry.metrics``'s
@@ -242,7 +265,7 @@ class OTelMetrics(_Exporter):
             else:
                 made[instrument] = meter.create_up_down_counter(name, **common)
         self._made = made
-        self._set_state(None, BreakerState.CLOSED)
+        self._set_state("", None, BreakerState.CLOSED)
 
     def _attributes(self, instrument: Instrument, values: Iterable[str]) -> dict[str, str]:
         return {
@@ -256,8 +279,8 @@ class OTelMetrics(_Exporter):
     def _record(self, instrument: Instrument, values: tuple[str, ...], value: float) -> None:
         self._made[instrument].record(value, self._attributes(instrument, values))
 
-    def _set_state(self, old: BreakerState | None, new: BreakerState) -> None:
+    def _set_state(self, node: str, old: BreakerState | None, new: BreakerState) -> None:
         breakers = self._made[BREAKER_STATE]
         if old is not None:
-            breakers.add(-1, self._attributes(BREAKER_STATE, (old.value,)))
-        breakers.add(1, self._attributes(BREAKER_STATE, (new.value,)))
+            breakers.add(-1, self._attributes(BREAKER_STATE, (old.value, node)))
+        breakers.add(1, self._attributes(BREAKER_STATE, (new.value, node)))

@@ -3,11 +3,19 @@
 from __future__ import annotations
 
 import re
+from contextvars import ContextVar
 from typing import Protocol
 
 from .._scripts import Script
 
-__all__ = ["AsyncStorage", "SyncStorage", "redact"]
+__all__ = ["SENT", "AsyncStorage", "SyncStorage", "redact"]
+
+#: When the current task's last store call was sent (``time.perf_counter()``), set by an
+#: asyncio storage that queues calls before it sends them (batching), so that the limiter
+#: judges the store by its own time, not by the caller's time in the queue: a burst of
+#: thousands of calls from one ``asyncio.gather`` queues for as long as the event loop takes to
+#: work through it, and that is no fault of the store's.
+SENT: ContextVar[float] = ContextVar("ratekeeper_store_sent", default=0.0)
 
 
 class SyncStorage(Protocol):

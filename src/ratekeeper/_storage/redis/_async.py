@@ -13,7 +13,8 @@ Sentinel, a user's own client), redis-py's connections through ``_pipeline``; a 
 
 redis-py internals: ``client.connection_pool`` (``release``; check-out through ``_compat``);
 cluster clients' ``_initialize``, ``initialize()``, ``get_node_from_key``,
-``nodes_manager.nodes_cache``, ``ClusterNode.acquire_connection`` (release through ``_compat``);
+``nodes_manager.nodes_cache``, ``nodes_manager.slots_cache``, ``nodes_manager.initialize()``,
+``ClusterNode.acquire_connection`` (release through ``_compat``);
 asyncio connections' ``send_command``/``read_response`` for the one ``INFO``.
 Tested with redis-py 5.0.1 (the floor) to 8.1.0, in CI's three environments.
 """
@@ -21,6 +22,7 @@ Tested with redis-py 5.0.1 (the floor) to 8.1.0, in CI's three environments.
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any
 
 import redis.asyncio
@@ -28,6 +30,7 @@ import redis.asyncio.cluster
 
 from ..._errors import StorageError
 from ..._scripts import Script
+from ..base import SENT
 from ._batch import Batcher, Pending
 from ._command import arun_command_path
 from ._compat import aget_connection, check_versions, release_node_connection
@@ -44,6 +47,9 @@ __all__ = ["BATCH_LANES", "AsyncRedisStorage"]
 #: Lanes of one asyncio storage's batcher: round trips in flight at once, each on its own
 #: connection. Two keep the client and the server busy together; more only add round trips.
 BATCH_LANES = 2
+#: Seconds between two slot-map refreshes asked for by a node that could not be reached (a dead
+#: primary's calls are few once its breaker is open: its half-open probes ask, at this pace).
+MAP_REFRESH_INTERVAL = 0.2
 
 
 class AsyncRedisStorage:
@@ -69,6 +75,9 @@ class AsyncRedisStorage:
         # cluster; the first call discovers it alone.
         self._ready = not self._cluster
         self._ready_lock = asyncio.Lock()
+        #: A node could not be reached: the slot map is learned again before the next batch.
+        self._map_stale = False
+        self._map_refreshed = -float("inf")
         self._watch = master_watch(client)
         # Batches to a plain server keep their connections instead of checking them in and out
         # of the pool each time (a lock, a readiness poll, a deprecation wrapper): at most one
@@ -82,7 +91,7 @@ class AsyncRedisStorage:
                 send = self._send_links
             else:
                 send = self._send_cluster if self._cluster else self._send_single
-            self._batcher = Batcher(send, lanes=BATCH_LANES)
+            self._batcher = Batcher(send, lanes=BATCH_LANES, one_server=not self._cluster)
 
     @classmethod
     def from_url(cls, url: str, *, batching: bool = True, **options: Any) -> AsyncRedisStorage:
@@ -93,7 +102,10 @@ class AsyncRedisStorage:
         if built.kind == "single":
             own_retry = "retry" in built.kwargs
             links = Links.serving(client, own_retry=own_retry)
-        return cls(client, also_close=also_close, batching=batching, links=links)
+        storage = cls(client, also_close=also_close, batching=batching, links=links)
+        if storage._watch is not None:
+            storage._watch.listen(built.hosts, built.sentinel_kwargs)
+        return storage
 
     @classmethod
     def from_client(cls, client: Any, *, batching: bool = True) -> AsyncRedisStorage:
@@ -104,6 +116,20 @@ class AsyncRedisStorage:
         adopt_client(client, asyncio=True)
         return cls(client, batching=batching, owns_client=False)
 
+    def node_of(self, key: str) -> str | None:
+        """``host:port`` of the server that serves ``key``: in a cluster, the primary of its
+        slot as last known; with Sentinel, the primary last named. None on one server, or
+        before it is known (nothing is asked here)."""
+        if self._watch is not None:
+            return self._watch.address
+        if not self._cluster or not self._ready:
+            return None
+        try:
+            node = self.client.get_node_from_key(key)
+        except CLIENT_ERRORS:  # the slot is not covered (yet)
+            return None
+        return node.name if node is not None else None
+
     async def run(
         self, script: Script, keys: tuple[str, ...], args: tuple[int | str, ...]
     ) -> list[int]:
@@ -112,7 +138,12 @@ class AsyncRedisStorage:
         if self._watch is not None and self._watch.due():
             await self._watch.acheck()
         if self._batcher is not None:
-            reply: list[int] = await self._batcher.submit(script, keys, args)
+            pending = self._batcher.enqueue(script, keys, args)
+            assert pending.future is not None
+            try:
+                reply: list[int] = await pending.future
+            finally:
+                SENT.set(pending.sent)  # for the limiter: the store's time, not the queue's
         else:
             exchange = Exchange(script, keys, args)
             if self._links is not None:
@@ -177,21 +208,18 @@ class AsyncRedisStorage:
         async with self._ready_lock:
             if self.client._initialize:  # set until discovered, and again after a topology error
                 await self.client.initialize()
+                _cached_nodes_in_slots(self.client.nodes_manager)
             self._ready = True
 
     async def _send_cluster(self, batch: list[Pending]) -> None:
         """Group the calls by the node that serves their slot, one pipeline per node. Calls the
-        grouping cannot place, or that are redirected or would be sent again, go through
-        redis-py's cluster client one by one, which follows the cluster as it changes."""
+        grouping cannot place, or that are redirected, go through redis-py's cluster client one
+        by one, which follows the cluster as it changes. A node that cannot be reached has the
+        slot map learned again before the next batch (``_refresh_map``)."""
         client = self.client
-        if client._initialize:  # reset by redis-py after a topology error: discover again
-            try:
-                await self._discover_raw()
-            except CLIENT_ERRORS as exc:
-                for call in batch:
-                    call.exchange.unsent(exc, broke=False)
-                return
-        groups: dict[str, tuple[Any, list[Exchange]]] = {}
+        if client._initialize or self._map_stale:
+            await self._refresh_map()
+        groups: dict[str, tuple[Any, list[Pending]]] = {}
         alone: list[Exchange] = []
         for call in batch:
             try:
@@ -201,11 +229,42 @@ class AsyncRedisStorage:
             if node is None:
                 alone.append(call.exchange)
             else:
-                groups.setdefault(node.name, (node, []))[1].append(call.exchange)
+                groups.setdefault(node.name, (node, []))[1].append(call)
         await asyncio.gather(
-            *(self._send_node(node, exchanges) for node, exchanges in groups.values()),
+            *(self._send_group(node, calls) for node, calls in groups.values()),
             *(arun_command_path(client, exchange) for exchange in alone),
         )
+
+    async def _send_group(self, node: Any, calls: list[Pending]) -> None:
+        """One node's calls of a batch; their callers are answered as soon as that node is
+        done, not when the slowest node of the batch is."""
+        await self._send_node(node, [call.exchange for call in calls])
+        for call in calls:
+            call.settle()
+
+    def _node_unreachable(self) -> None:
+        """A node is down or gone: the slot map is learned again before the next batch."""
+        self._map_stale = True
+
+    async def _refresh_map(self) -> None:
+        """Learn the slot map again after a node could not be reached (its replica may serve
+        its slots now) or redis-py saw a topology error, at most once per
+        ``MAP_REFRESH_INTERVAL``. Best effort: if no node answers, the calls go on with the map
+        they have, so the nodes that are up keep deciding (redis-py's own ``initialize()``
+        would close every node's connections on such a failure, in-flight calls included)."""
+        now = time.monotonic()
+        if now - self._map_refreshed < MAP_REFRESH_INTERVAL:
+            return
+        self._map_refreshed = now
+        self._map_stale = False
+        client = self.client
+        async with self._ready_lock:
+            try:
+                await client.nodes_manager.initialize()
+            except CLIENT_ERRORS:
+                return
+            client._initialize = False
+            _cached_nodes_in_slots(client.nodes_manager)
 
     async def _send_node(self, node: Any, exchanges: list[Exchange]) -> None:
         try:
@@ -214,7 +273,9 @@ class AsyncRedisStorage:
             rerouted = exchanges
         else:
             try:
-                rerouted = await run_pipeline(connection, exchanges, reroute=True)
+                rerouted = await run_pipeline(
+                    connection, exchanges, reroute=True, unreachable=self._node_unreachable
+                )
             finally:
                 if self.client.nodes_manager.nodes_cache.get(node.name) is node:
                     release_node_connection(node, connection)
@@ -257,6 +318,8 @@ class AsyncRedisStorage:
             raise translate(exc) from exc
 
     async def close(self) -> None:
+        if self._watch is not None:  # joins the listening threads: not on the event loop
+            await asyncio.get_running_loop().run_in_executor(None, self._watch.close)
         if self._links is not None:
             await self._links.close()
         await self._give_back()
@@ -264,3 +327,15 @@ class AsyncRedisStorage:
             await self.client.aclose()
         for other in self._also_close:
             await other.aclose()
+
+
+def _cached_nodes_in_slots(manager: Any) -> None:
+    """Point the slot map at the node objects of the node cache. redis-py 7 fills a new slot map
+    with new objects for the nodes its cache keeps: connections taken from those would never be
+    closed (``close`` closes the cache's)."""
+    cache = manager.nodes_cache
+    for nodes in {id(nodes): nodes for nodes in manager.slots_cache.values()}.values():
+        for index, node in enumerate(nodes):
+            cached = cache.get(node.name)
+            if cached is not None and cached is not node:
+                nodes[index] = cached

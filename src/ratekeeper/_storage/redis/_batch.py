@@ -7,6 +7,13 @@ with it. No timer is involved: a lone call waits for nothing but the loop's next
 load a batch holds whatever arrived while the lane's previous one was on the wire. Each call
 keeps its own result or error.
 
+A stall is not waited out twice: when a batch to one server times out, the calls queued behind
+it in its lane (which waited for it) fail at once with a StorageTimeout, never sent, so they
+consumed nothing. Without it, a call queued behind a batch in flight during a stall waited for
+that batch's timeout, then for its own. A queue that is long only because many calls came at
+once (a burst of thousands from one ``asyncio.gather``) is worked through: the store answers
+it, however long that takes, and no caller is failed for the event loop's own work.
+
 Lanes keep the client and the server busy at once: while the server runs one lane's batch, the
 event loop works through the replies of another. A key always takes the same lane, and a lane
 sends one batch at a time, so the calls on one key run in the order they were made. (Lanes
@@ -19,9 +26,11 @@ redis-py internals: none (the pipeline it feeds is ``_pipeline``).
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from ..._errors import StorageError, StorageTimeout
 from ..._scripts import Script
 from ._exchange import Exchange
 
@@ -35,12 +44,14 @@ MAX_BATCH = 256
 class Pending:
     """One queued script call: its exchange, and the future its caller awaits."""
 
-    __slots__ = ("exchange", "future")
+    __slots__ = ("exchange", "future", "sent")
 
     def __init__(self, exchange: Exchange, future: asyncio.Future[Any] | None) -> None:
         self.exchange = exchange
         #: None: the caller reads the exchange itself once its transport returns.
         self.future = future
+        #: When its batch was handed to the transport (``time.perf_counter()``; 0: not yet).
+        self.sent = 0.0
 
     def settle(self) -> None:
         """Hand the exchange's outcome to the caller (unless it was cancelled meanwhile)."""
@@ -81,10 +92,15 @@ class Batcher:
     the exchanges): every caller of the batch gets the exception as it is, never a decision.
     """
 
-    def __init__(self, send: Send, *, lanes: int = 1, max_batch: int = MAX_BATCH) -> None:
+    def __init__(
+        self, send: Send, *, lanes: int = 1, max_batch: int = MAX_BATCH, one_server: bool = True
+    ) -> None:
         self._send = send
         self._lanes = lanes
         self._max_batch = max_batch
+        #: Whether a lane's calls all go to one server (not a cluster's several): then a batch
+        #: that timed out means the calls queued behind it would go into the same stall.
+        self._one_server = one_server
         self._queues: list[list[Pending]] = [[] for _ in range(lanes)]
         self._flushing = [False] * lanes
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -93,21 +109,30 @@ class Batcher:
     def submit(
         self, script: Script, keys: tuple[str, ...], args: tuple[int | str, ...]
     ) -> asyncio.Future[Any]:
+        """Queue a call; its future gets the reply or the error."""
+        pending = self.enqueue(script, keys, args)
+        assert pending.future is not None
+        return pending.future
+
+    def enqueue(
+        self, script: Script, keys: tuple[str, ...], args: tuple[int | str, ...]
+    ) -> Pending:
+        """Queue a call; the ``Pending`` tells when it was sent, and its future the outcome."""
         loop = asyncio.get_running_loop()
         if loop is not self._loop:
             # Futures belong to one loop; a limiter reused on a new loop starts afresh.
             self._loop = loop
             self._queues = [[] for _ in range(self._lanes)]
             self._flushing = [False] * self._lanes
-        future: asyncio.Future[Any] = loop.create_future()
+        pending = Pending(Exchange(script, keys, args), loop.create_future())
         lane = hash(keys[0]) % self._lanes if self._lanes > 1 else 0
-        self._queues[lane].append(Pending(Exchange(script, keys, args), future))
+        self._queues[lane].append(pending)
         if not self._flushing[lane]:
             self._flushing[lane] = True
             task = loop.create_task(self._flush(loop, lane))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
-        return future
+        return pending
 
     async def _flush(self, loop: asyncio.AbstractEventLoop, lane: int) -> None:
         queue = self._queues[lane]
@@ -119,6 +144,9 @@ class Batcher:
                 batch = [call for call in batch if not call.cancelled]
                 if not batch:
                     continue
+                sent = time.perf_counter()
+                for call in batch:
+                    call.sent = sent
                 try:
                     await self._send(batch)
                 except asyncio.CancelledError:
@@ -131,6 +159,23 @@ class Batcher:
                     continue
                 for call in batch:
                     call.settle()
+                stalled = _timed_out(batch) if self._one_server else None
+                if stalled is not None and queue:
+                    # Those queued behind it waited for it: they are not sent into the stall.
+                    waited = StorageTimeout(
+                        f"not sent: the store did not answer the batch ahead in time ({stalled})"
+                    )
+                    for call in queue:
+                        call.fail(waited)
+                    queue.clear()
         finally:
             if self._loop is loop:
                 self._flushing[lane] = False
+
+
+def _timed_out(batch: list[Pending]) -> StorageError | None:
+    """The timeout one of ``batch``'s calls ended with, if one did."""
+    for call in batch:
+        if isinstance(call.exchange.error, StorageTimeout):
+            return call.exchange.error
+    return None

@@ -35,6 +35,7 @@ from ..._errors import ConfigError
 from ..base import redact
 from ._compat import CLUSTER_OPTIONS
 from ._errors import CLIENT_ERRORS
+from ._sentinel import AsyncNewestSentinel, NewestSentinel
 
 __all__ = [
     "DEFAULT_CONNECT_TIMEOUT",
@@ -204,7 +205,7 @@ def sync_client(built: Plan) -> tuple[Any, Callable[[], Any] | None, tuple[Any, 
             ]
             return None, lambda: _Cluster(startup_nodes=nodes, **{**CLUSTER_OPTIONS, **kwargs}), ()
         if built.kind == "sentinel":
-            sentinel = redis.sentinel.Sentinel(  # type: ignore[no-untyped-call]
+            sentinel = NewestSentinel(  # type: ignore[no-untyped-call]
                 built.hosts, sentinel_kwargs=built.sentinel_kwargs, **kwargs
             )
             client = sentinel.master_for(built.service, **kwargs)  # type: ignore[no-untyped-call]
@@ -225,7 +226,7 @@ def async_client(built: Plan) -> tuple[Any, tuple[Any, ...]]:
             nodes = [redis.asyncio.cluster.ClusterNode(host, port) for host, port in built.hosts]
             return _AsyncCluster(startup_nodes=nodes, **{**CLUSTER_OPTIONS, **kwargs}), ()
         if built.kind == "sentinel":
-            sentinel = redis.asyncio.sentinel.Sentinel(  # type: ignore[no-untyped-call]
+            sentinel = AsyncNewestSentinel(  # type: ignore[no-untyped-call]
                 built.hosts, sentinel_kwargs=built.sentinel_kwargs, **kwargs
             )
             return sentinel.master_for(built.service, **kwargs), tuple(sentinel.sentinels)

@@ -67,7 +67,10 @@ _STORE_STATE_CLASSES = (
 
 #: Error replies after which a call in a cluster batch goes through redis-py's cluster client,
 #: which follows redirections and refreshes its slot table. None of them ran the script.
-REROUTE = (AskError, ClusterDownError, TryAgainError)
+#: CLUSTERDOWN is not one: the node is up and says the cluster cannot serve, an answer for this
+#: call (a store error); redis-py would reinitialize the cluster, closing every node's
+#: connections, in-flight calls included, when its first node does not answer.
+REROUTE = (AskError, TryAgainError)
 
 
 def translate(exc: Exception) -> StorageError | RequestRejected:

@@ -11,9 +11,13 @@ every round, so a batch takes at most four. The exchange decides; this module mo
   the next round goes out on a fresh connection, once;
 - no reply in time, or a connection that broke after the write: the exchanges without a reply
   end with a StorageTimeout / StorageUnavailable, never sent again;
-- ``reroute`` (a cluster node's batch): calls redirected (MOVED, ASK, TRYAGAIN, CLUSTERDOWN)
-  or that would be sent again on a fresh connection are returned, for redis-py's cluster client
-  to send (``_command``).
+- a connection that cannot be made: the exchanges end with a StorageUnavailable (nothing was
+  sent), and ``unreachable`` is called (a cluster storage then learns the slot map again);
+- ``reroute`` (a cluster node's batch): calls redirected (MOVED, ASK, TRYAGAIN) are
+  returned, for redis-py's cluster client to send (``_command``). A call that would be sent
+  again on a fresh connection goes to the same node here: redis-py's client answers a
+  connection error by closing every node's connections, in-flight calls to the nodes that are
+  up included.
 
 Anything but a client or socket error (a bug, a cancellation) disconnects the connection, whose
 replies may still be on their way, and propagates.
@@ -37,7 +41,7 @@ import redis.asyncio
 
 from ._blocking import pack_command
 from ._errors import CLIENT_ERRORS, REROUTE, as_broken, as_timeout
-from ._exchange import DONE, RECONNECT, Exchange
+from ._exchange import DONE, Exchange
 
 _T = TypeVar("_T")
 
@@ -65,14 +69,19 @@ def can_keep_async(client: Any) -> bool:
 
 
 async def run_pipeline(
-    connection: Any, exchanges: list[Exchange], *, reroute: bool
+    connection: Any,
+    exchanges: list[Exchange],
+    *,
+    reroute: bool,
+    unreachable: Callable[[], None] | None = None,
 ) -> list[Exchange]:
     """Drive ``exchanges`` to their end on ``connection``; with ``reroute``, return those
-    left for redis-py's cluster client."""
+    left for redis-py's cluster client. ``unreachable``: called when no connection could be
+    made."""
     rerouted: list[Exchange] = []
     try:
         while exchanges:
-            exchanges = await _round(connection, exchanges, rerouted, reroute)
+            exchanges = await _round(connection, exchanges, rerouted, reroute, unreachable)
     except BaseException:
         await connection.disconnect()
         raise
@@ -84,22 +93,21 @@ async def _round(
     exchanges: list[Exchange],
     rerouted: list[Exchange],
     reroute: bool,
+    unreachable: Callable[[], None] | None,
 ) -> list[Exchange]:
     """One round trip; returns the exchanges that go on to the next."""
     again: list[Exchange] = []
 
     def next_step(exchange: Exchange, step: int) -> None:
-        if step == DONE:
-            return
-        if step == RECONNECT and reroute:
-            rerouted.append(exchange)
-        else:
+        if step != DONE:
             again.append(exchange)
 
     if not connection.is_connected:
         try:
             await connection.connect()
         except CLIENT_ERRORS as exc:
+            if unreachable is not None:
+                unreachable()
             for exchange in exchanges:
                 next_step(exchange, exchange.unsent(exc, broke=False))
             return again

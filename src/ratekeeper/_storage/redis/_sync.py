@@ -67,8 +67,12 @@ class RedisStorage:
     @classmethod
     def from_url(cls, url: str, **options: Any) -> RedisStorage:
         check_versions()
-        client, connect, also_close = sync_client(plan(url, options))
-        return cls(client, connect=connect, also_close=also_close)
+        built = plan(url, options)
+        client, connect, also_close = sync_client(built)
+        storage = cls(client, connect=connect, also_close=also_close)
+        if storage._watch is not None:
+            storage._watch.listen(built.hosts, built.sentinel_kwargs)
+        return storage
 
     @classmethod
     def from_client(cls, client: Any) -> RedisStorage:
@@ -90,6 +94,21 @@ class RedisStorage:
                     except CLIENT_ERRORS as exc:
                         raise translate(exc) from exc
         return self._client
+
+    def node_of(self, key: str) -> str | None:
+        """``host:port`` of the server that serves ``key``: in a cluster, the primary of its
+        slot as last known; with Sentinel, the primary last named. None on one server, or
+        before it is known (nothing is asked here)."""
+        if self._watch is not None:
+            return self._watch.address
+        client = self._client
+        if self._transport is not None or client is None:
+            return None
+        try:
+            node = client.nodes_manager.get_node_from_slot(client.keyslot(key))
+        except CLIENT_ERRORS:  # the slot is not covered (yet)
+            return None
+        return node.name if node is not None else None
 
     def run(self, script: Script, keys: tuple[str, ...], args: tuple[int | str, ...]) -> list[int]:
         if self._transport is not None:
@@ -122,6 +141,8 @@ class RedisStorage:
             raise translate(exc) from exc
 
     def close(self) -> None:
+        if self._watch is not None:
+            self._watch.close()
         if self._transport is not None:
             self._transport.close()
         if self._client is not None and self._owns_client:
