@@ -56,6 +56,15 @@ def pytest_configure(config: pytest.Config) -> None:
         )
 
 
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """With ``RATEKEEPER_WRITE_FIGURES=1``, rewrite ``docs/resilience-figures.md`` from the
+    figures this session measured (``tests/figures.py``), if it passed."""
+    if os.environ.get("RATEKEEPER_WRITE_FIGURES") == "1" and exitstatus == 0:
+        from .figures import write_page
+
+        write_page()
+
+
 def pytest_report_header(config: pytest.Config) -> list[str]:
     if BINARIES:
         found = ", ".join(f"{b.flavor} {b.version} ({b.path})" for b in BINARIES)

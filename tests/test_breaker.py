@@ -16,6 +16,7 @@ import pytest
 import ratekeeper
 from ratekeeper import ConfigError, Limiter
 from ratekeeper._breaker import BreakerState, CircuitBreaker
+from ratekeeper.testing import ManualClock
 
 CLOSED, OPEN, HALF_OPEN = BreakerState.CLOSED, BreakerState.OPEN, BreakerState.HALF_OPEN
 
@@ -23,20 +24,7 @@ FAST = 0.001  # a call well under slow_call
 SLOW = 0.5  # a call well over slow_call
 
 
-class FakeClock:
-    """Monotonic seconds that move only when told to."""
-
-    def __init__(self, now: float = 1_000.0) -> None:
-        self.now = now
-
-    def __call__(self) -> float:
-        return self.now
-
-    def advance(self, seconds: float) -> None:
-        self.now += seconds
-
-
-def make(clock: FakeClock, **options: Any) -> CircuitBreaker:
+def make(clock: ManualClock, **options: Any) -> CircuitBreaker:
     """A breaker where only the trigger under test can fire, unless a test says otherwise."""
     settings: dict[str, Any] = {
         "window": 10.0,
@@ -69,7 +57,7 @@ def probe(breaker: CircuitBreaker, ok: bool = True, latency: float = FAST) -> No
     breaker.record(ok, latency)
 
 
-def close_by_probes(breaker: CircuitBreaker, clock: FakeClock) -> None:
+def close_by_probes(breaker: CircuitBreaker, clock: ManualClock) -> None:
     clock.advance(breaker.retry_after())
     for _ in range(breaker.probes):
         probe(breaker)
@@ -80,7 +68,7 @@ def close_by_probes(breaker: CircuitBreaker, clock: FakeClock) -> None:
 
 
 def test_starts_closed_and_allows_every_call():
-    clock = FakeClock()
+    clock = ManualClock(1_000.0)
     breaker = make(clock)
     assert breaker.state is CLOSED
     assert all(breaker.allow() for _ in range(100))
@@ -89,7 +77,7 @@ def test_starts_closed_and_allows_every_call():
 
 
 def test_opens_after_consecutive_failures():
-    clock = FakeClock()
+    clock = ManualClock(1_000.0)
     breaker = make(clock, consecutive_failures=3)
     for _ in range(2):
         breaker.record(False, FAST)
@@ -104,7 +92,7 @@ def test_opens_after_consecutive_failures():
 
 
 def test_failure_ratio_waits_for_min_calls():
-    clock = FakeClock()
+    clock = ManualClock(1_000.0)
     breaker = make(clock, min_calls=10, failure_ratio=0.5)
     # 5 failures in 9 calls: over the ratio, but fewer calls than min_calls.
     for i in range(9):
@@ -115,7 +103,7 @@ def test_failure_ratio_waits_for_min_calls():
 
 
 def test_failure_ratio_below_threshold_stays_closed():
-    clock = FakeClock()
+    clock = ManualClock(1_000.0)
     breaker = make(clock, min_calls=10, failure_ratio=0.5)
     outcomes = [False, True, True] * 10  # a third fail
     for ok in outcomes:
@@ -124,7 +112,7 @@ def test_failure_ratio_below_threshold_stays_closed():
 
 
 def test_opens_on_slow_calls_alone():
-    clock = FakeClock()
+    clock = ManualClock(1_000.0)
     breaker = make(clock, min_calls=5, slow_call=0.020, slow_ratio=0.8)
     for _ in range(4):
         breaker.record(True, 0.050)
@@ -134,7 +122,7 @@ def test_opens_on_slow_calls_alone():
 
 
 def test_a_call_exactly_at_slow_call_is_not_slow():
-    clock = FakeClock()
+    clock = ManualClock(1_000.0)
     breaker = make(clock, min_calls=5, slow_call=0.020, slow_ratio=0.8)
     for _ in range(50):
         breaker.record(True, 0.020)
@@ -142,7 +130,7 @@ def test_a_call_exactly_at_slow_call_is_not_slow():
 
 
 def test_slow_ratio_below_threshold_stays_closed():
-    clock = FakeClock()
+    clock = ManualClock(1_000.0)
     breaker = make(clock, min_calls=5, slow_ratio=0.8)
     for i in range(50):
         breaker.record(True, SLOW if i % 2 else FAST)  # half slow < 80%
@@ -150,7 +138,7 @@ def test_slow_ratio_below_threshold_stays_closed():
 
 
 def test_outcomes_older_than_the_window_are_forgotten():
-    clock = FakeClock()
+    clock = ManualClock(1_000.0)
     breaker = make(clock, window=10.0, min_calls=4, failure_ratio=0.5)
     for _ in range(3):
         breaker.record(False, FAST)
@@ -163,7 +151,7 @@ def test_outcomes_older_than_the_window_are_forgotten():
 
 def test_outcomes_inside_the_window_still_count():
     """The contrast to the test above: half a window apart, the same calls do trip it."""
-    clock = FakeClock()
+    clock = ManualClock(1_000.0)
     breaker = make(clock, window=10.0, min_calls=4, failure_ratio=0.5)
     for _ in range(3):
         breaker.record(False, FAST)
@@ -173,7 +161,7 @@ def test_outcomes_inside_the_window_still_count():
 
 
 def test_opens_as_soon_as_ratio_reached_inside_window():
-    clock = FakeClock()
+    clock = ManualClock(1_000.0)
     breaker = make(clock, window=10.0, min_calls=4, failure_ratio=0.5)
     for _ in range(3):
         breaker.record(False, FAST)
@@ -186,7 +174,7 @@ def test_opens_as_soon_as_ratio_reached_inside_window():
 
 
 def test_open_allows_no_call_until_open_for_elapsed():
-    clock = FakeClock()
+    clock = ManualClock(1_000.0)
     breaker = make(clock, consecutive_failures=2, open_for=1.0)
     trip(breaker)
     assert not any(breaker.allow() for _ in range(100))
@@ -202,7 +190,7 @@ def test_open_allows_no_call_until_open_for_elapsed():
 
 
 def test_a_late_reply_while_open_changes_nothing():
-    clock = FakeClock()
+    clock = ManualClock(1_000.0)
     breaker = make(clock, consecutive_failures=2)
     trip(breaker)
     breaker.record(True, FAST)
@@ -212,7 +200,7 @@ def test_a_late_reply_while_open_changes_nothing():
 
 
 def test_half_open_lets_one_probe_at_a_time():
-    clock = FakeClock()
+    clock = ManualClock(1_000.0)
     breaker = make(clock, consecutive_failures=2, probes=3)
     trip(breaker)
     clock.advance(1.0)
@@ -232,7 +220,7 @@ def test_half_open_lets_one_probe_at_a_time():
 
 
 def test_a_probe_that_never_reports_stops_blocking_after_open_for():
-    clock = FakeClock()
+    clock = ManualClock(1_000.0)
     breaker = make(clock, consecutive_failures=2, open_for=1.0)
     trip(breaker)
     clock.advance(1.0)
@@ -245,7 +233,7 @@ def test_a_probe_that_never_reports_stops_blocking_after_open_for():
 
 @pytest.mark.parametrize(("ok", "latency"), [(False, FAST), (True, SLOW)], ids=["failed", "slow"])
 def test_a_bad_probe_reopens_with_open_for_doubled_up_to_the_cap(ok: bool, latency: float):
-    clock = FakeClock()
+    clock = ManualClock(1_000.0)
     breaker = make(clock, consecutive_failures=2, open_for=1.0, max_open_for=5.0)
     trip(breaker)
     waits = [breaker.retry_after()]
@@ -259,7 +247,7 @@ def test_a_bad_probe_reopens_with_open_for_doubled_up_to_the_cap(ok: bool, laten
 
 
 def test_a_bad_probe_after_good_ones_reopens():
-    clock = FakeClock()
+    clock = ManualClock(1_000.0)
     breaker = make(clock, consecutive_failures=2, probes=3)
     trip(breaker)
     clock.advance(1.0)
@@ -278,7 +266,7 @@ def test_a_bad_probe_after_good_ones_reopens():
 
 
 def test_reopening_soon_after_closing_doubles_open_for():
-    clock = FakeClock()
+    clock = ManualClock(1_000.0)
     breaker = make(clock, consecutive_failures=2, window=10.0, open_for=1.0, max_open_for=8.0)
     trip(breaker)
     assert breaker.retry_after() == 1.0
@@ -293,7 +281,7 @@ def test_reopening_soon_after_closing_doubles_open_for():
 
 
 def test_staying_closed_for_a_window_forgets_the_back_off():
-    clock = FakeClock()
+    clock = ManualClock(1_000.0)
     breaker = make(clock, consecutive_failures=2, window=10.0, open_for=1.0, max_open_for=8.0)
     trip(breaker)
     clock.advance(1.0)
@@ -312,7 +300,7 @@ def test_open_for_reports_the_next_opening_after_a_quiet_window():
     """``open_for`` is documented as "how long the next opening lasts". After a window closed
     with no calls at all, the next opening lasts the base ``open_for`` (see the test above), so
     the property must say so without needing another call to refresh it first."""
-    clock = FakeClock()
+    clock = ManualClock(1_000.0)
     breaker = make(clock, consecutive_failures=2, window=10.0, open_for=1.0, max_open_for=8.0)
     trip(breaker)
     clock.advance(1.0)
@@ -324,7 +312,7 @@ def test_open_for_reports_the_next_opening_after_a_quiet_window():
 
 
 def test_retry_after_counts_down_and_is_zero_unless_open():
-    clock = FakeClock()
+    clock = ManualClock(1_000.0)
     breaker = make(clock, consecutive_failures=2, open_for=2.0, max_open_for=8.0)
     assert breaker.retry_after() == 0.0
     trip(breaker)
@@ -337,7 +325,7 @@ def test_retry_after_counts_down_and_is_zero_unless_open():
 
 
 def test_reset_closes_and_forgets_back_off():
-    clock = FakeClock()
+    clock = ManualClock(1_000.0)
     breaker = make(clock, consecutive_failures=2)
     trip(breaker)
     clock.advance(1.0)
@@ -355,7 +343,7 @@ def test_reset_closes_and_forgets_back_off():
 
 
 def test_listeners_see_each_transition_once_in_order():
-    clock = FakeClock()
+    clock = ManualClock(1_000.0)
     breaker = make(clock, consecutive_failures=2, probes=2)
     seen: list[tuple[BreakerState, BreakerState]] = []
     also: list[tuple[BreakerState, BreakerState]] = []
@@ -377,7 +365,7 @@ def test_listeners_see_each_transition_once_in_order():
 
 
 def test_listeners_see_a_failed_probe_and_a_reset():
-    clock = FakeClock()
+    clock = ManualClock(1_000.0)
     breaker = make(clock, consecutive_failures=2)
     seen: list[tuple[str, str]] = []
     breaker.add_listener(lambda old, new: seen.append((str(old), str(new))))
@@ -397,7 +385,7 @@ def test_listeners_see_a_failed_probe_and_a_reset():
 def test_the_transition_to_half_open_is_reported_by_allow_too():
     """Nobody reads ``state``: the first ``allow()`` after open_for reports open -> half_open
     before its probe's own outcome."""
-    clock = FakeClock()
+    clock = ManualClock(1_000.0)
     breaker = make(clock, consecutive_failures=2, probes=1)
     seen: list[tuple[BreakerState, BreakerState]] = []
     breaker.add_listener(lambda old, new: seen.append((old, new)))
@@ -532,7 +520,7 @@ def test_thread_safety_smoke():
 def test_failures_of_calls_in_flight_together_are_one_fault():
     """Calls sent before a counted failure was known fail with the same fault: 64 timeouts of
     one stall are one failure, not 64; calls sent after it count again."""
-    clock = FakeClock()
+    clock = ManualClock(1_000.0)
     breaker = make(clock, consecutive_failures=3)
     for caller in range(64):  # sent at 0.0000-0.0189, each timing out 20 ms later
         breaker.record(False, 0.020, sent=caller * 0.0003)
@@ -547,7 +535,7 @@ def test_failures_of_calls_in_flight_together_are_one_fault():
 
 
 def test_a_failure_reported_without_sent_always_counts():
-    clock = FakeClock()
+    clock = ManualClock(1_000.0)
     breaker = make(clock, consecutive_failures=3)
     breaker.record(False, 0.020, sent=0.0)
     breaker.record(False, 0.020)

@@ -9,7 +9,7 @@ deadline. The load threads pause LOAD_PAUSE between hits (the work of a request)
 eight threads on this two-core machine from turning into a pure GIL contest.
 
 Measured figures (decision latency while stalled, time to open, time to recover, EVALSHA
-counts) are printed and written to RESULTS (a JSON file under the temp directory).
+counts) are printed and recorded (`tests/figures.py`: a JSON file, and the figures page).
 """
 
 from __future__ import annotations
@@ -17,17 +17,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
-import json
 import logging
 import os
 import signal
-import tempfile
 import threading
 import time
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -39,6 +36,7 @@ from ratekeeper._keys import Identity
 from ratekeeper.metrics import Metrics
 
 from .delay_proxy import DelayProxy
+from .figures import record
 from .private_servers import private_servers
 from .seams import flush_after_every_load
 from .servers import RedisServer, command_calls, find_binaries
@@ -52,24 +50,12 @@ TIMEOUT = 0.02
 #: No decision may take longer than this. The target is timeout + 10 ms; this loaded 2-core CI
 #: machine (other suites run beside this one) gets timeout + 30 ms. Moments when the whole
 #: process was not scheduled at all (seen by a heartbeat thread, see Starvation) are taken out
-#: of each decision's latency before the comparison; the raw maximum is recorded in RESULTS.
+#: of each decision's latency before the comparison; the raw maximum is recorded too.
 LATENCY_BOUND = TIMEOUT + 0.030
 #: Pause between two hits of one load thread: the rest of the request's work.
 LOAD_PAUSE = 0.0005
-RESULTS = Path(tempfile.gettempdir()) / "ratekeeper-chaos-results.json"
 
 CLOSED, OPEN, HALF_OPEN = BreakerState.CLOSED, BreakerState.OPEN, BreakerState.HALF_OPEN
-
-
-def record(name: str, **figures: Any) -> None:
-    """Print measured figures and add them to RESULTS."""
-    print(f"\n{name}: " + ", ".join(f"{k}={v}" for k, v in figures.items()))
-    try:
-        results = json.loads(RESULTS.read_text())
-    except (OSError, ValueError):
-        results = {}
-    results[name] = figures
-    RESULTS.write_text(json.dumps(results, indent=2, sort_keys=True))
 
 
 def poll(condition: Callable[[], bool], timeout: float, interval: float = 0.002) -> float | None:
@@ -1182,3 +1168,57 @@ def test_asyncio_decision_waits_at_most_its_timeout(
     # call that must open a connection (the last one timed out) may wait for it too.
     bound = TIMEOUT + QUEUED_SLACK if batching else 2 * TIMEOUT + QUEUED_SLACK
     assert worst <= bound, f"a decision took {worst * 1000:.1f} ms"
+
+
+# --- a new connection and a script load are not the store's slowness ----------------------------
+
+SETUP_DELAY = 0.008  # each reply 8 ms late: a first call's set-up takes several of them
+
+
+@pytest.mark.parametrize("api", ["sync", "async"])
+def test_a_first_call_is_judged_by_its_last_round_trip(
+    victim: RedisServer, key_prefix: str, api: str
+):
+    """Each reply 8 ms late, the script cache flushed, a breaker that opens on one slow call
+    (20 ms): the first call opens a connection (redis-py's handshake) and loads the script
+    (NOSCRIPT, SCRIPT LOAD, EVALSHA), so its caller waits well past 20 ms, but the breaker
+    times only its last round trip and stays closed; each call after it is one round trip."""
+    breaker = CircuitBreaker(slow_call=0.02, min_calls=1, slow_ratio=1.0)
+    calls = StoreCalls()
+    policy = Policy("first-call", "100/minute")
+    with admin(victim) as client:
+        client.script_flush()
+    with DelayProxy(victim.port, delay=SETUP_DELAY) as proxy:
+        options: dict[str, Any] = {
+            "key_prefix": key_prefix,
+            "breaker": breaker,
+            "metrics": calls,
+            "timeout": 0.2,
+            "connect_timeout": 0.2,
+        }
+        if api == "sync":
+            with Limiter.from_url(proxy.url, **options) as limiter:
+                started = time.monotonic()
+                first = limiter.hit(policy, "a")
+                waited = time.monotonic() - started
+                second = limiter.hit(policy, "a")
+        else:
+
+            async def main() -> tuple[Decision, float, Decision]:
+                async with AsyncLimiter.from_url(proxy.url, **options) as limiter:
+                    started = time.monotonic()
+                    first = await limiter.hit(policy, "a")
+                    waited = time.monotonic() - started
+                    return first, waited, await limiter.hit(policy, "a")
+
+            first, waited, second = asyncio.run(main())
+    record(
+        f"first_call[{victim.binary.flavor}-{api}]",
+        caller_waited_ms=round(waited * 1000, 1),
+        slowest_store_call_ms=round(calls.slowest * 1000, 1),
+        breaker=str(breaker.state),
+    )
+    assert (first.allowed, first.degraded, second.remaining) == (True, False, 98)
+    assert waited > 2 * SETUP_DELAY  # the set-up took several round trips
+    assert calls.slowest < 0.02  # each judged by one round trip
+    assert breaker.state is CLOSED

@@ -39,6 +39,7 @@ from ratekeeper._keys import Identity, identity_bytes
 from ratekeeper._scripts import load_script
 
 from . import workers
+from .figures import record
 from .servers import RedisServer, free_port
 from .topologies import (
     SLOTS,
@@ -907,8 +908,6 @@ def _check_slow_node(
 ) -> None:
     """Decisions after the slowdown: none on the healthy primaries degraded; the slow one's
     breaker opened, and only its keys went to the failure mode."""
-    from .test_chaos import record
-
     assert [s.error for s in samples if s.error is not None] == []
     after = [s for s in samples if s.started >= slowed]
     healthy = [s for s in after if shards[s.identity] != 0]
@@ -1063,6 +1062,14 @@ def test_kill_9_primary_under_asyncio(cluster: Cluster) -> None:
         f"{dead_degraded} degraded"
     )
 
+    record(
+        "cluster_kill_9_asyncio",
+        cluster_state_ok_after_kill_s=round(ok - killed, 2),
+        exact_again_after_ok_s=round(resumed - ok, 2),
+        live_primaries_decisions=len(live),
+        live_primaries_degraded=dict(live_reasons),
+        dead_primary_degraded=dead_degraded,
+    )
     assert [s.error for s in samples if s.error is not None] == []
     assert inexact == []
     # No call for a live primary was sent to the dead one or lost its connection to a

@@ -33,6 +33,7 @@ from ratekeeper import (
 from ratekeeper._breaker import BreakerState, CircuitBreaker
 from ratekeeper._errors import RequestRejected
 
+from .figures import record
 from .private_servers import private_servers
 from .servers import RedisServer, ServerBinary, command_calls, find_binaries, free_port
 
@@ -44,21 +45,8 @@ SHORT = {"timeout": 0.05, "connect_timeout": 0.05}
 PATIENT = {"timeout": 5, "connect_timeout": 5}
 
 
-class FakeClock:
-    """Monotonic seconds for a breaker, moved by hand."""
-
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
-
-    def advance(self, seconds: float) -> None:
-        self.now += seconds
-
-
-def fake_breaker(**options: Any) -> tuple[CircuitBreaker, FakeClock]:
-    clock = FakeClock()
+def fake_breaker(**options: Any) -> tuple[CircuitBreaker, ManualClock]:
+    clock = ManualClock(100.0)
     return CircuitBreaker(clock=clock, **options), clock
 
 
@@ -701,7 +689,7 @@ def test_the_local_mode_grows_by_less_than_20_mb_under_500k_rotated_identities(d
     )
     assert done.returncode == 0, done.stderr[-2000:]
     grown_kb = int(done.stdout.split()[-1])
-    print(f"\nlocal mode, 500,000 rotated identities: the process grew by {grown_kb / 1024:.1f} MB")
+    record("local_mode_rotation", identities=500_000, grown_mb=round(grown_kb / 1024, 1))
     assert grown_kb < 20 * 1024
 
 

@@ -36,16 +36,6 @@ LIMIT = 60
 POLICY = Policy("fleet-share", f"{LIMIT}/minute")
 
 
-class FakeClock:
-    """Monotonic seconds for the breakers, moved by hand."""
-
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 @pytest.fixture(params=BINARIES, ids=FLAVORS)
 def private(request: pytest.FixtureRequest) -> Iterator[RedisServer]:
     server = RedisServer(request.param).start()
@@ -172,7 +162,7 @@ def test_on_the_servers_clock(shared_private: dict[str, RedisServer], flavor: st
 class Instance:
     """One limiter of the fleet, with its own instance id."""
 
-    def __init__(self, url: str, prefix: str, clock: ManualClock, breaker_clock: FakeClock):
+    def __init__(self, url: str, prefix: str, clock: ManualClock, breaker_clock: ManualClock):
         self.breaker_clock = breaker_clock
         self.limiter = Limiter.from_url(
             url,
@@ -200,7 +190,7 @@ class Instance:
         for _ in range(40):
             if self.limiter.breaker.state is BreakerState.CLOSED:
                 return
-            self.breaker_clock.now += 5  # past open_for: the next call is a probe
+            self.breaker_clock.advance(5)  # past open_for: the next call is a probe
             self.limiter.hit(POLICY, "probe")
         raise AssertionError("the breaker did not close")
 
@@ -218,7 +208,7 @@ def _beat_rounds(fleet: list[Instance], clock: ManualClock, rounds: int = 2) -> 
 
 
 def test_the_auto_share_follows_a_fleet_of_2_6_then_3(private: RedisServer, key_prefix: str):
-    clock, breaker_clock = ManualClock(), FakeClock()
+    clock, breaker_clock = ManualClock(), ManualClock(100.0)
     admin = private.client()
     fleet_key = KeyBuilder(key_prefix).fleet_key()
     fleet = [Instance(private.url, key_prefix, clock, breaker_clock) for _ in range(2)]

@@ -28,7 +28,6 @@ from ratekeeper import (
 )
 from ratekeeper._breaker import BreakerState, CircuitBreaker
 from ratekeeper._scripts import Script
-from ratekeeper._storage.memory import MemoryStorage
 from ratekeeper.metrics import (
     BREAKER_STATE,
     BREAKER_TRANSITIONS,
@@ -40,56 +39,9 @@ from ratekeeper.metrics import (
     Metrics,
     PrometheusMetrics,
 )
+from ratekeeper.testing import AsyncFlakyStorage, FlakyStorage
 
 from .conftest import MakeLimiter
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 50.0
-
-    def __call__(self) -> float:
-        return self.now
-
-    def advance(self, seconds: float) -> None:
-        self.now += seconds
-
-
-class SwitchableStorage:
-    """The memory backend, unreachable while ``down`` is set."""
-
-    def __init__(self, clock: ManualClock) -> None:
-        self.inner = MemoryStorage(clock=clock)
-        self.down = False
-        self.calls = 0
-
-    def run(self, script: Script, keys: tuple[str, ...], args: tuple[int | str, ...]) -> list[int]:
-        self.calls += 1
-        if self.down:
-            raise StorageUnavailable("the store is switched off")
-        return self.inner.run(script, keys, args)
-
-    def delete(self, keys: tuple[str, ...]) -> None:
-        self.inner.delete(keys)
-
-    def close(self) -> None:
-        self.inner.close()
-
-
-class AsyncSwitchableStorage:
-    def __init__(self, clock: ManualClock) -> None:
-        self.sync = SwitchableStorage(clock)
-
-    async def run(
-        self, script: Script, keys: tuple[str, ...], args: tuple[int | str, ...]
-    ) -> list[int]:
-        return self.sync.run(script, keys, args)
-
-    async def delete(self, keys: tuple[str, ...]) -> None:
-        self.sync.delete(keys)
-
-    async def close(self) -> None:
-        self.sync.close()
 
 
 def samples(registry: CollectorRegistry) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -160,7 +112,7 @@ API = Policy("api", "2/minute")  # the limiter's failure mode: open
 OTHER = Policy("other", "5/minute", failure_mode="closed")
 
 
-def scenario(limiter: Limiter, storage: SwitchableStorage) -> list[Decision]:
+def scenario(limiter: Limiter, storage: FlakyStorage) -> list[Decision]:
     """Allowed, denied by the store, denied by the cache, then degraded, breaker open."""
     made = [limiter.hit(API, "a") for _ in range(3)]  # allowed, allowed, denied (store)
     made += [limiter.hit(API, "a") for _ in range(3)]  # deny cache
@@ -174,11 +126,11 @@ def scenario(limiter: Limiter, storage: SwitchableStorage) -> list[Decision]:
     return made
 
 
-def build(metrics: Metrics) -> tuple[Limiter, SwitchableStorage, CircuitBreaker, FakeClock]:
+def build(metrics: Metrics) -> tuple[Limiter, FlakyStorage, CircuitBreaker, ManualClock]:
     clock = ManualClock()
-    breaker_clock = FakeClock()
+    breaker_clock = ManualClock(50.0)
     breaker = CircuitBreaker(consecutive_failures=2, open_for=1.0, probes=2, clock=breaker_clock)
-    storage = SwitchableStorage(clock)
+    storage = FlakyStorage(clock=clock)
     limiter = Limiter(storage, clock=clock, breaker=breaker, metrics=metrics)
     return limiter, storage, breaker, breaker_clock
 
@@ -224,9 +176,9 @@ def test_prometheus_samples_are_exact():
 def test_prometheus_local_mode_and_a_namespace():
     registry = CollectorRegistry()
     clock = ManualClock()
-    storage = SwitchableStorage(clock)
+    storage = FlakyStorage(clock=clock)
     storage.down = True
-    breaker = CircuitBreaker(consecutive_failures=1_000, clock=FakeClock())
+    breaker = CircuitBreaker(consecutive_failures=1_000, clock=ManualClock(50.0))
     metrics = PrometheusMetrics(registry=registry, namespace="shop")
     policy = Policy("cart", "4/minute", failure_mode="local")
     with Limiter(storage, clock=clock, breaker=breaker, metrics=metrics, local_share=0.5) as lim:
@@ -308,8 +260,8 @@ def test_a_custom_metrics_subclass_receives_every_call():
 def test_a_custom_metrics_subclass_on_asyncio():
     recorder = Recorder()
     clock = ManualClock()
-    breaker = CircuitBreaker(consecutive_failures=2, open_for=1.0, clock=FakeClock())
-    storage = AsyncSwitchableStorage(clock)
+    breaker = CircuitBreaker(consecutive_failures=2, open_for=1.0, clock=ManualClock(50.0))
+    storage = AsyncFlakyStorage(clock=clock)
 
     async def main() -> None:
         async with AsyncLimiter(storage, clock=clock, breaker=breaker, metrics=recorder) as lim:
@@ -380,12 +332,12 @@ def test_prometheus_without_prometheus_client_names_the_extra(monkeypatch: pytes
 # -- one breaker per node ----------------------------------------------------------------------
 
 
-class TwoNodeStorage(SwitchableStorage):
+class TwoNodeStorage(FlakyStorage):
     """The memory backend as two nodes, ``a:1`` and ``b:2``, by a hash of the key;
     ``down_nodes`` are unreachable."""
 
     def __init__(self, clock: ManualClock) -> None:
-        super().__init__(clock)
+        super().__init__(clock=clock)
         self.down_nodes: set[str] = set()
 
     def node_of(self, key: str) -> str | None:
@@ -438,9 +390,9 @@ class OldStyleRecorder:
         self.transitions.append((str(old), str(new)))
 
 
-def _two_nodes(metrics: Any) -> tuple[Limiter, TwoNodeStorage, FakeClock]:
+def _two_nodes(metrics: Any) -> tuple[Limiter, TwoNodeStorage, ManualClock]:
     clock = ManualClock()
-    breaker_clock = FakeClock()
+    breaker_clock = ManualClock(50.0)
     breaker = CircuitBreaker(consecutive_failures=2, open_for=1.0, probes=1, clock=breaker_clock)
     storage = TwoNodeStorage(clock)
     return Limiter(storage, clock=clock, breaker=breaker, metrics=metrics), storage, breaker_clock

@@ -41,7 +41,6 @@ from .test_metrics import (
     RECOVERED_COUNTS,
     SCENARIO_COUNTS,
     Counts,
-    FakeClock,
     build,
     on_backend,
     recover,
@@ -175,7 +174,7 @@ def test_a_meter_and_a_namespace(sdk: SDK):
     provider, reader = sdk
     meter = provider.get_meter("ratekeeper", "test")
     clock = ManualClock()
-    breaker = CircuitBreaker(consecutive_failures=1_000, clock=FakeClock())
+    breaker = CircuitBreaker(consecutive_failures=1_000, clock=ManualClock(50.0))
     metrics = OTelMetrics(meter=meter, namespace="shop")
     assert metrics.meter is meter
     policy = Policy("cart", "2/minute")
@@ -200,7 +199,7 @@ def test_each_failure_mode_on_a_dead_store(
     mode: str, allowed: list[bool], key_prefix: str, sdk: SDK
 ):
     provider, reader = sdk
-    breaker = CircuitBreaker(consecutive_failures=1_000, clock=FakeClock())
+    breaker = CircuitBreaker(consecutive_failures=1_000, clock=ManualClock(50.0))
     policy = Policy("cart", "4/minute", failure_mode=mode)  # type: ignore[arg-type]
     with Limiter.from_url(
         f"redis://127.0.0.1:{free_port()}/0",
@@ -225,7 +224,7 @@ def test_each_failure_mode_on_a_dead_store(
 
 def test_the_breaker_opens_on_a_dead_store(key_prefix: str, sdk: SDK):
     provider, reader = sdk
-    breaker = CircuitBreaker(consecutive_failures=2, open_for=1.0, clock=FakeClock())
+    breaker = CircuitBreaker(consecutive_failures=2, open_for=1.0, clock=ManualClock(50.0))
     policy = Policy("cart", "4/minute", failure_mode="closed")
     with Limiter.from_url(
         f"redis://127.0.0.1:{free_port()}/0",

@@ -21,8 +21,8 @@ import pytest
 from ratekeeper import CircuitBreaker, Limiter, ManualClock, Policy
 from ratekeeper._keys import Identity
 
+from .figures import record
 from .servers import free_port
-from .test_chaos import record
 from .topologies import (
     BreakerLog,
     Driver,
@@ -315,9 +315,10 @@ def test_sentinel_failover_under_load(group: SentinelGroup) -> None:
         identities_with_lost_writes=len(lost),
         identities=len(stats.admitted),
     )
-    # Only calls already on their way when the sentinels named the new primary (one per
-    # thread) may still reach the old one: the limiter hears +switch-master and switches.
-    assert calls_after_named <= LOAD_THREADS
+    # The limiter hears +switch-master and switches: only the calls made while it asks the
+    # sentinels which primary is the newest (a few milliseconds, the other threads going on
+    # meanwhile) may still reach the old one (measured: 0-4; 923 when it asked every second).
+    assert calls_after_named <= 50
     for name, t in resumed.items():
         assert t - named.at <= NAMED_RESUME_WITHIN, name
 

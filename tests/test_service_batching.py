@@ -17,6 +17,7 @@ import grpc
 from ratekeeper import Decision
 
 from .delay_proxy import DelayProxy
+from .figures import record
 from .seams import Wire
 from .servers import RedisServer
 from .service_support import OURS, running, write
@@ -96,6 +97,15 @@ def test_one_huge_request_cannot_degrade_another_callers_decisions(
                 assert len(answer.statuses) == 3_000
                 call = OURS.caller(other)
                 small = [await call(OURS.request("batch", [("user", f"s{i}")])) for i in range(50)]
+            ok = sum(s.overall_code == OURS.code("OK") for s in small)
+            record(
+                "serve_huge_request",
+                descriptors_in_one_request=3_000,
+                small_requests_after=50,
+                small_decided_by_the_store=ok,
+                degraded_decisions=len(degraded),
+                breaker_transitions=len(moves),
+            )
             assert [s.overall_code for s in small] == [OURS.code("OK")] * 50
             assert [s.statuses[0].limit_remaining for s in small] == [99_999] * 50
             assert degraded == []

@@ -1,4 +1,4 @@
-"""The configuration loader of ``ratekeeper serve`` (``ratekeeper.service._config``), on its own.
+"""The configuration loader of ``ratekeeper serve`` (``service._loader`` into ``_config``), alone.
 
 Every refused file is checked for its exact ``path:line:column``; lookups (exact value, then
 wildcards in file order, then the key alone; depth), ``replaces``, overrides, directory loading,
@@ -25,11 +25,10 @@ from ratekeeper.service._config import (
     ConfigFileError,
     LimitRule,
     ServiceConfig,
-    check_config,
     identity_of,
-    load_config,
     override_rule,
 )
+from ratekeeper.service._loader import check_config, load_config
 
 
 def write(directory: Path, text: str, name: str = "config.yaml") -> Path:

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from ratekeeper import AsyncLimiter
-from ratekeeper.service._config import load_config
 from ratekeeper.service._decide import Decider
+from ratekeeper.service._loader import load_config
 from ratekeeper.service.rls_pb2 import RateLimitDescriptor, RateLimitRequest, RateLimitResponse
 
 from .servers import RedisServer

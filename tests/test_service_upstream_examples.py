@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 
 from ratekeeper import Limiter, ManualClock, Rate
-from ratekeeper.service._config import LimitRule, ServiceConfig, identity_of, load_config
+from ratekeeper.service._config import LimitRule, ServiceConfig, identity_of
+from ratekeeper.service._loader import load_config
 
 Entries = list[tuple[str, str]]
 UNLIMITED_REMAINING = 2**32 - 1

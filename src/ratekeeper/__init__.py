@@ -21,6 +21,7 @@ from ._lease import AsyncLease, Lease
 from ._limiter import AsyncLimiter, Limiter
 from ._policy import Policy
 from ._rates import Rate, parse_rates
+from ._version import __version__
 from .typing import Algorithm, FailureMode
 
 __all__ = [
@@ -50,5 +51,3 @@ __all__ = [
     "__version__",
     "parse_rates",
 ]
-
-__version__ = "0.1.0"

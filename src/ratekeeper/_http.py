@@ -28,15 +28,17 @@ import math
 import os
 import re
 import threading
-from collections.abc import Awaitable, Callable, Generator, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Generator, Iterable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from fnmatch import fnmatchcase
 from typing import TYPE_CHECKING, Any, Literal
 
 from ._decision import Decision
 from ._errors import ConfigError
 from ._policy import Policy
+from ._request import KeyFunc, LazyHeaders, Request
+from .identity import client_ip
 
 if TYPE_CHECKING:
     from ._limiter import AsyncLimiter, Limiter
@@ -90,64 +92,6 @@ MISSING_IDENTITY_DETAIL = "The request carries no client identity, which this en
 #: (``request.state.ratekeeper`` on Starlette, FastAPI and Litestar) and ``environ[STATE_KEY]``.
 STATE_KEY = "ratekeeper"
 
-
-@dataclass(frozen=True, slots=True)
-class Request:
-    """What a key function sees of a request, the same under ASGI and WSGI.
-
-    ``headers`` maps lower-case names to values; repeated headers are joined with ``", "`` in
-    the order received, as RFC 9110 allows for list-valued fields. ``peer`` is the address of
-    the connecting socket (the last proxy, if any), or None when the server does not say.
-    ``raw`` is the ASGI scope, the WSGI environ or the framework's request, for key functions
-    that need more.
-    """
-
-    method: str
-    path: str
-    headers: Mapping[str, str]
-    peer: str | None
-    raw: Any = field(default=None, compare=False, repr=False)
-
-
-class LazyHeaders(Mapping[str, str]):
-    """A request's headers, decoded by ``decode(source)`` on first use: a request whose key
-    function never reads a header (``client_ip()`` with no trusted proxy) never decodes
-    them."""
-
-    __slots__ = ("_decode", "_decoded", "_source")
-
-    def __init__(self, source: Any, decode: Callable[[Any], dict[str, str]]) -> None:
-        self._source = source
-        self._decode = decode
-        self._decoded: dict[str, str] | None = None
-
-    def _all(self) -> dict[str, str]:
-        decoded = self._decoded
-        if decoded is None:
-            decoded = self._decoded = self._decode(self._source)
-        return decoded
-
-    def __getitem__(self, name: str) -> str:
-        return self._all()[name]
-
-    def get(self, name: str, default: Any = None) -> Any:
-        return self._all().get(name, default)
-
-    def __contains__(self, name: object) -> bool:
-        return name in self._all()
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._all())
-
-    def __len__(self) -> int:
-        return len(self._all())
-
-    def __repr__(self) -> str:
-        return repr(self._all())
-
-
-#: A key function returns the identity for a request, or None when it has none.
-KeyFunc = Callable[[Request], "str | None"]
 
 #: A rule's policy: a Policy, None (not limited), or a callable of the request returning one
 #: (sync, or async under an async driver).
@@ -605,8 +549,6 @@ class Limiting:
         enabled: bool = True,
         asynchronous: bool = False,
     ) -> None:
-        from .identity import client_ip
-
         if missing_identity not in MISSING_IDENTITY:
             raise ConfigError(
                 f"missing_identity must be one of {', '.join(map(repr, MISSING_IDENTITY))}, "

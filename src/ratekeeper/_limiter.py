@@ -294,11 +294,13 @@ class Limiter(_Base[SyncStorage]):
         try:
             reply = self.storage.run(call.script, call.keys, call.args)
         except StorageError as exc:
-            return guard.failed(call, exc, started, breaker)
+            return guard.failed(call, exc, max(started, SENT.get()), breaker)
         except RequestRejected:
-            guard.rejected(started, breaker)
+            guard.rejected(max(started, SENT.get()), breaker)
             raise
-        decision = guard.succeeded(call, reply, started, breaker)
+        # The store is judged by the call's last round trip (``SENT``): not by a new
+        # connection's set-up or a script load before it.
+        decision = guard.succeeded(call, reply, max(started, SENT.get()), breaker)
         if guard.fleet is not None:  # local_share="auto": a heartbeat when one is due
             heartbeat_sync(guard, self.storage)
         return decision
@@ -466,8 +468,8 @@ class AsyncLimiter(_Base[AsyncStorage]):
         except RequestRejected:
             guard.rejected(max(started, SENT.get()), breaker)
             raise
-        # The store is judged from when the call was sent: a batching storage may have
-        # queued it behind a burst of other calls first (``SENT``).
+        # The store is judged by the call's last round trip (``SENT``): not by its time in a
+        # batching storage's queue, a new connection's set-up or a script load before it.
         started = max(started, SENT.get())
         if guard.fleet is not None:  # local_share="auto": a heartbeat task when one is due
             heartbeat_async(guard, self.storage)

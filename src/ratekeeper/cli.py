@@ -11,7 +11,6 @@ from typing import Any, TypeVar, cast
 import click
 from rich.console import Console
 
-from . import __version__
 from ._admin import (
     ADMIN_ALGORITHMS,
     DEFAULT_TIMEOUT,
@@ -36,6 +35,7 @@ from ._keys import DEFAULT_KEY_PREFIX
 from ._limiter import Limiter
 from ._policy import Policy
 from ._rates import MAX_INT, parse_rates
+from ._version import __version__
 from .typing import Algorithm, FailureMode
 
 _F = TypeVar("_F", bound=Callable[..., Any])
@@ -693,7 +693,7 @@ def serve(
     error is logged with its file, line and column.
     """
     try:
-        from .service._config import check_config
+        from .service._loader import check_config
     except ImportError as exc:
         raise click.ClickException(
             f"serve needs the server extra: pip install 'ratekeeper[server]' ({exc})"

@@ -17,43 +17,19 @@ so the limit holds across processes.
 
 from __future__ import annotations
 
-import functools
-import re
 from typing import TYPE_CHECKING, Any
 
 from rest_framework.settings import api_settings
 from rest_framework.throttling import BaseThrottle
 
 from ._decision import Decision
-from ._errors import ConfigError
 from ._http import anonymous_identity
-from ._policy import Policy
-from .django._settings import SettingsError, current, request_view
+from .django._settings import SettingsError, current, policy_for_rate, request_view
 
 if TYPE_CHECKING:
     from rest_framework.request import Request as DRFRequest
 
 __all__ = ["RatekeeperThrottle", "policy_for_rate"]
-
-_SCOPE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:/-]{0,120}", re.ASCII)
-
-
-@functools.lru_cache(maxsize=256)
-def policy_for_rate(scope: str, rate: str | None, algorithm: str = "sliding_log") -> Policy | None:
-    """The policy ``drf:<scope>`` at ``rate`` (DRF's ``"50/minute"``, or any rates ratekeeper
-    parses, ``"10/second;1000/day"``); None for a rate of None (not throttled, as in DRF)."""
-    if rate is None:
-        return None
-    where = f"REST_FRAMEWORK['DEFAULT_THROTTLE_RATES'][{scope!r}]"
-    if not isinstance(scope, str) or _SCOPE.fullmatch(scope) is None:
-        raise SettingsError(
-            f"{where}: a throttle scope is 1-121 characters of A-Z a-z 0-9 _ . : / - starting "
-            "with a letter or digit"
-        )
-    try:
-        return Policy(f"drf:{scope}", rate, algorithm)  # type: ignore[arg-type]
-    except ConfigError as exc:
-        raise SettingsError(f"{where}: {exc}") from None
 
 
 class RatekeeperThrottle(BaseThrottle):

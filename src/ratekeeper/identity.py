@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterable
 from hashlib import blake2b
 
 from ._errors import ConfigError
-from ._http import KeyFunc, Request
+from ._request import KeyFunc, Request
 
 __all__ = ["KeyFunc", "Request", "client_ip", "first", "header"]
 

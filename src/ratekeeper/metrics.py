@@ -241,7 +241,7 @@ class OTelMetrics(_Exporter):
             from opentelemetry import metrics as otel
         except ImportError as exc:
             raise _missing("OTelMetrics", "opentelemetry-api", "otel") from exc
-        from . import __version__
+        from ._version import __version__
 
         if meter is not None and meter_provider is not None:
             raise ConfigError("OTelMetrics takes a meter_provider or a meter, not both")

@@ -10,11 +10,12 @@ from .._scripts import Script
 
 __all__ = ["SENT", "AsyncStorage", "SyncStorage", "redact"]
 
-#: When the current task's last store call was sent (``time.perf_counter()``), set by an
-#: asyncio storage that queues calls before it sends them (batching), so that the limiter
-#: judges the store by its own time, not by the caller's time in the queue: a burst of
-#: thousands of calls from one ``asyncio.gather`` queues for as long as the event loop takes to
-#: work through it, and that is no fault of the store's.
+#: When the current task's (or thread's) last store call began its last round trip
+#: (``time.perf_counter()``), set by the storages where that differs from when the caller
+#: asked, so that the limiter's breaker judges the store by its own time: not by a call's time
+#: in a batching queue (a burst of thousands of calls from one ``asyncio.gather`` queues for as
+#: long as the event loop takes to work through it), nor by a new connection's set-up
+#: (connect, TLS, AUTH) or a script load before it.
 SENT: ContextVar[float] = ContextVar("ratekeeper_store_sent", default=0.0)
 
 

@@ -8,6 +8,8 @@ dropped when Django's ``setting_changed`` signal names ``RATEKEEPER`` (``overrid
 from __future__ import annotations
 
 import asyncio
+import functools
+import re
 import threading
 import weakref
 from collections.abc import Callable, Iterable, Mapping
@@ -31,6 +33,7 @@ __all__ = [
     "current",
     "load",
     "on_django_request",
+    "policy_for_rate",
     "request_view",
     "resolve_key",
 ]
@@ -379,3 +382,25 @@ def _changed(*, setting: str, **kwargs: Any) -> None:
 
 
 setting_changed.connect(_changed, dispatch_uid="ratekeeper.django.settings")
+
+
+#: A DRF throttle scope, as it appears in a policy name (``drf:<scope>``).
+_SCOPE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:/-]{0,120}", re.ASCII)
+
+
+@functools.lru_cache(maxsize=256)
+def policy_for_rate(scope: str, rate: str | None, algorithm: str = "sliding_log") -> Policy | None:
+    """The policy ``drf:<scope>`` at ``rate`` (DRF's ``"50/minute"``, or any rates ratekeeper
+    parses, ``"10/second;1000/day"``); None for a rate of None (not throttled, as in DRF)."""
+    if rate is None:
+        return None
+    where = f"REST_FRAMEWORK['DEFAULT_THROTTLE_RATES'][{scope!r}]"
+    if not isinstance(scope, str) or _SCOPE.fullmatch(scope) is None:
+        raise SettingsError(
+            f"{where}: a throttle scope is 1-121 characters of A-Z a-z 0-9 _ . : / - starting "
+            "with a letter or digit"
+        )
+    try:
+        return Policy(f"drf:{scope}", rate, algorithm)  # type: ignore[arg-type]
+    except ConfigError as exc:
+        raise SettingsError(f"{where}: {exc}") from None

@@ -17,7 +17,7 @@ from django.apps import AppConfig
 from django.conf import settings
 from django.core.checks import CheckMessage, Error, Warning, register
 
-from ._settings import SettingsError, load
+from ._settings import SettingsError, load, policy_for_rate
 
 __all__ = ["check_settings", "check_throttle_rates"]
 
@@ -60,8 +60,6 @@ def check_throttle_rates(
     classes = config.get("DEFAULT_THROTTLE_CLASSES", ())
     if not any(str(c).startswith("ratekeeper.drf.") for c in classes):
         return []
-    from ..drf import policy_for_rate
-
     errors: list[CheckMessage] = []
     for scope, rate in (config.get("DEFAULT_THROTTLE_RATES") or {}).items():
         try:

@@ -23,7 +23,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from .._errors import ConfigError
-from ._config import ServiceConfig, load_config
+from ._config import ServiceConfig
+from ._loader import load_config
 
 __all__ = ["ConfigWatcher", "fingerprint"]
 

@@ -29,8 +29,9 @@ from typing import Any
 from .._errors import ConfigError, StorageError
 from .._limiter import AsyncLimiter
 from ..typing import FailureMode
-from ._config import ServiceConfig, load_config
+from ._config import ServiceConfig
 from ._decide import BadRequest, Decider
+from ._loader import load_config
 from ._metrics import ServiceMetrics
 from ._reload import ConfigWatcher
 from ._web import ServiceApp

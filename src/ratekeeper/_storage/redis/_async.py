@@ -143,7 +143,7 @@ class AsyncRedisStorage:
             try:
                 reply: list[int] = await pending.future
             finally:
-                SENT.set(pending.sent)  # for the limiter: the store's time, not the queue's
+                SENT.set(pending.exchange.sent)  # for the limiter: the store's time, not ours
         else:
             exchange = Exchange(script, keys, args)
             if self._links is not None:
@@ -152,6 +152,8 @@ class AsyncRedisStorage:
                 await arun_command_path(self.client, exchange)
             else:
                 await self._drive([exchange], keep=False)
+            if exchange.sent:
+                SENT.set(exchange.sent)
             reply = exchange.outcome()
         if not self._checked_eviction:
             await self._check_eviction()
@@ -251,20 +253,23 @@ class AsyncRedisStorage:
         its slots now) or redis-py saw a topology error, at most once per
         ``MAP_REFRESH_INTERVAL``. Best effort: if no node answers, the calls go on with the map
         they have, so the nodes that are up keep deciding (redis-py's own ``initialize()``
-        would close every node's connections on such a failure, in-flight calls included)."""
+        would close every node's connections on such a failure, in-flight calls included). On
+        a client of our own, the nodes still named keep their objects and connections
+        (``_config._KeepingNodes``)."""
         now = time.monotonic()
         if now - self._map_refreshed < MAP_REFRESH_INTERVAL:
             return
         self._map_refreshed = now
         self._map_stale = False
         client = self.client
+        manager = client.nodes_manager
         async with self._ready_lock:
             try:
-                await client.nodes_manager.initialize()
+                await manager.initialize()
             except CLIENT_ERRORS:
                 return
             client._initialize = False
-            _cached_nodes_in_slots(client.nodes_manager)
+            _cached_nodes_in_slots(manager)
 
     async def _send_node(self, node: Any, exchanges: list[Exchange]) -> None:
         try:

@@ -44,14 +44,12 @@ MAX_BATCH = 256
 class Pending:
     """One queued script call: its exchange, and the future its caller awaits."""
 
-    __slots__ = ("exchange", "future", "sent")
+    __slots__ = ("exchange", "future")
 
     def __init__(self, exchange: Exchange, future: asyncio.Future[Any] | None) -> None:
         self.exchange = exchange
         #: None: the caller reads the exchange itself once its transport returns.
         self.future = future
-        #: When its batch was handed to the transport (``time.perf_counter()``; 0: not yet).
-        self.sent = 0.0
 
     def settle(self) -> None:
         """Hand the exchange's outcome to the caller (unless it was cancelled meanwhile)."""
@@ -117,7 +115,7 @@ class Batcher:
     def enqueue(
         self, script: Script, keys: tuple[str, ...], args: tuple[int | str, ...]
     ) -> Pending:
-        """Queue a call; the ``Pending`` tells when it was sent, and its future the outcome."""
+        """Queue a call; its exchange tells when it was sent, and its future the outcome."""
         loop = asyncio.get_running_loop()
         if loop is not self._loop:
             # Futures belong to one loop; a limiter reused on a new loop starts afresh.
@@ -144,9 +142,9 @@ class Batcher:
                 batch = [call for call in batch if not call.cancelled]
                 if not batch:
                     continue
-                sent = time.perf_counter()
+                sent = time.perf_counter()  # the transports move it on past a new connection
                 for call in batch:
-                    call.sent = sent
+                    call.exchange.sent = sent
                 try:
                     await self._send(batch)
                 except asyncio.CancelledError:

@@ -29,6 +29,7 @@ import select
 import socket
 import struct
 import sys
+import time
 import weakref
 from collections.abc import Callable
 from typing import Any, cast
@@ -37,6 +38,7 @@ import redis
 from hiredis import pack_command as _hiredis_pack
 
 from ..._scripts import Script
+from ..base import SENT
 from ._compat import INCOMPLETE, get_connection
 from ._errors import CLIENT_ERRORS, as_broken, as_timeout, translate
 from ._exchange import DONE, RECONNECT, Exchange
@@ -83,12 +85,17 @@ class BlockingTransport:
             while step != DONE:
                 if step == RECONNECT:
                     connection.disconnect()
+                # A further round trip (a script load, a fresh connection): the store is
+                # judged by the last one.
+                exchange.sent = time.perf_counter()
                 step = _step(connection, exchange, self.keep)
         except BaseException:
             connection.disconnect()  # a bug or an interrupt mid-exchange: its state is unknown
             raise
         finally:
             self._give(connection)
+        if exchange.sent:
+            SENT.set(exchange.sent)
         return exchange.outcome()
 
     def execute(self, *command: Any) -> Any:
@@ -141,6 +148,7 @@ def _step(connection: Any, exchange: Exchange, check_idle: bool) -> int:
             connection.connect()  # redis-py's handshake (AUTH, SELECT, ...), under its timeouts
         except CLIENT_ERRORS as exc:
             return exchange.unsent(exc, broke=False)
+        exchange.sent = time.perf_counter()  # the set-up is not the store's round trip
     packed = pack_command(exchange.command)
     raw = _raw_state(connection)
     if check_idle and _readable(connection, raw):

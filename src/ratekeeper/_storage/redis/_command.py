@@ -16,6 +16,7 @@ Tested with redis-py 5.0.1 (the floor) to 8.1.0, in CI's three environments.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from ._errors import CLIENT_ERRORS
@@ -35,6 +36,7 @@ def run_command_path(client: Any, exchange: Exchange) -> None:
     """Drive ``exchange`` to its end on a blocking client."""
     step = 0
     while step != DONE:
+        exchange.sent = time.perf_counter()  # the last round trip (redis-py may connect in it)
         try:
             reply = client.execute_command(*_spelled(exchange))
         except CLIENT_ERRORS as exc:
@@ -47,6 +49,7 @@ async def arun_command_path(client: Any, exchange: Exchange) -> None:
     """Drive ``exchange`` to its end on an asyncio client."""
     step = 0
     while step != DONE:
+        exchange.sent = time.perf_counter()  # the last round trip (redis-py may connect in it)
         try:
             reply = await client.execute_command(*_spelled(exchange))
         except CLIENT_ERRORS as exc:

@@ -14,6 +14,7 @@ Tested with redis-py 5.0.1 (the floor) to 8.1.0, in CI's three environments.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -81,6 +82,34 @@ class _Cluster(redis.cluster.RedisCluster):
 
 class _AsyncCluster(redis.asyncio.cluster.RedisCluster):
     ERRORS_ALLOW_RETRY = _CLUSTER_RETRY  # type: ignore[assignment]
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.nodes_manager.__class__ = _KeepingNodes
+
+
+#: Disconnections of nodes a new slot map no longer names, under way (kept from the collector).
+_CLOSING: set[asyncio.Future[Any]] = set()
+
+
+class _KeepingNodes(redis.asyncio.cluster.NodesManager):
+    """redis-py's asyncio ``NodesManager`` keeping the node objects it has (and their
+    connections, in-flight calls included) for the nodes a new slot map still names: redis-py
+    < 7 replaces each with a new object and disconnects the old, so that learning where one dead
+    primary's slots went broke every healthy primary's calls in flight. Nodes no longer named
+    are dropped and disconnected, as redis-py does. Assigned as the class of our own clients'
+    manager (no slot of its own: the layout is redis-py's)."""
+
+    __slots__ = ()
+
+    def set_nodes(self, old: Any, new: Any, remove_old: bool = False) -> None:
+        if remove_old:
+            for name in [name for name in old if name not in new]:
+                task = asyncio.ensure_future(old.pop(name).disconnect())
+                _CLOSING.add(task)
+                task.add_done_callback(_CLOSING.discard)
+        for name, node in new.items():
+            old.setdefault(name, node)
 
 
 def client_options(options: dict[str, Any]) -> dict[str, Any]:

@@ -73,6 +73,7 @@ class Exchange:
         "key",
         "result",
         "script",
+        "sent",
     )
 
     def __init__(self, script: Script, keys: tuple[str, ...], args: tuple[int | str, ...]) -> None:
@@ -89,6 +90,10 @@ class Exchange:
         self.done = False
         self._stage = _EVALSHA
         self._reconnected = False
+        #: When its last round trip began (``time.perf_counter()``), set by the transports
+        #: where it differs from when the caller asked: after a queue, a new connection or a
+        #: script load; 0.0 if it did not. The breaker judges the store by that round trip.
+        self.sent = 0.0
 
     @property
     def loading(self) -> bool:

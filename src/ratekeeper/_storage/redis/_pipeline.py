@@ -33,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import select
 import sys
+import time
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
@@ -106,8 +107,8 @@ async def _round(
         try:
             await connection.connect()
         except CLIENT_ERRORS as exc:
-            if unreachable is not None:
-                unreachable()
+            if unreachable is not None and not isinstance(exc, redis.TimeoutError):
+                unreachable()  # refused or reset: gone, not slow
             for exchange in exchanges:
                 next_step(exchange, exchange.unsent(exc, broke=False))
             return again
@@ -119,6 +120,9 @@ async def _round(
         return again
 
     slots, packed = pack_round(exchanges, _itself)
+    sent = time.perf_counter()  # this round trip, not the connection's set-up, is the store's
+    for exchange in exchanges:
+        exchange.sent = sent
     try:
         await connection.send_packed_command(packed, False)
     except _TIMEOUTS as exc:

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import asyncio
 import select
+import time
 from collections import deque
 from typing import Any
 
@@ -465,6 +466,9 @@ class Links:
 
     async def _round(self, link: Link, calls: list[Pending]) -> list[Pending]:
         """One round trip; returns the calls that go on to the next."""
+        sent = time.perf_counter()  # this round trip, not the link's set-up, is the store's
+        for call in calls:
+            call.exchange.sent = sent
         if len(calls) == 1:
             slots = [calls]
             packed = pack_command(calls[0].exchange.command)

@@ -60,7 +60,7 @@ def _newest(manager: Any, service: str, states: list[Any], errors: list[str]) ->
     if best is None:
         detail = f" : {', '.join(errors)}" if errors else ""
         raise redis.sentinel.MasterNotFoundError(f"No master found for {service!r}{detail}")
-    forced = manager._force_master_ip
+    forced = getattr(manager, "_force_master_ip", None)  # redis-py 5.1 and later
     return (forced if forced is not None else best["ip"]), best["port"]
 
 
