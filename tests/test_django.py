@@ -440,9 +440,9 @@ def test_middleware_rules_with_deduct_when_and_an_application_policy():
 def test_memory_under_several_workers_logs_a_warning_once(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ):
-    import ratekeeper._http
+    import ratekeeper._http._workers
 
-    monkeypatch.setattr(ratekeeper._http, "_warned", False)
+    monkeypatch.setattr(ratekeeper._http._workers, "_warned", False)
     monkeypatch.setenv("WEB_CONCURRENCY", "2")
     with settings_with(POLICY=Policy("api", "10/minute")), caplog.at_level("WARNING"):
         RateLimitMiddleware(ok)

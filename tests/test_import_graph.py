@@ -1,4 +1,4 @@
-"""The package's import graph has no cycle.
+"""The package's layout: its import graph has no cycle, and no module does too many jobs.
 
 Every ``import`` and ``from ... import`` under ``src/ratekeeper`` counts, those inside functions
 too (a cycle dodged by a late import is still a cycle); only imports under
@@ -120,3 +120,13 @@ def test_the_import_graph_has_no_cycle() -> None:
 def test_the_checker_finds_a_cycle() -> None:
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_no_hand_written_module_is_over_500_lines() -> None:
+    """One job per module: none over 500 lines (generated code aside)."""
+    long = {
+        name: lines
+        for name, path in _modules().items()
+        if not path.name.endswith("_pb2.py") and (lines := len(path.read_text().splitlines())) > 500
+    }
+    assert long == {}

@@ -161,7 +161,9 @@ def test_handshake_errors_raise_on_both_apis(
     server: RedisServer, key_prefix: str, batching: bool, api: str
 ) -> None:
     """A DB index out of range, and a password sent to a server without one: RequestRejected
-    on both APIs with the default failure mode ("open"), never an allowed request."""
+    on both APIs with the default failure mode ("open"), never a request allowed by the
+    failure mode. (redis-py 8.2's own handshake accepts a password the server does not need:
+    the blocking Limiter, which uses it, then decides by the store, exactly.)"""
     policy = Policy("handshake", "5/minute")
     bad = [
         f"redis://127.0.0.1:{server.port}/99999",
@@ -170,11 +172,15 @@ def test_handshake_errors_raise_on_both_apis(
     options: dict[str, Any] = {"key_prefix": key_prefix, "timeout": 5, "connect_timeout": 5}
     for url in bad:
         if api == "sync":
-            with (
-                Limiter.from_url(url, **options) as limiter,
-                pytest.raises(RequestRejected, match=r"out of range|credentials"),
-            ):
-                limiter.hit(policy, "a")
+            redis_py = tuple(int(part) for part in redis.__version__.split(".")[:2])
+            tolerated = url.startswith("redis://:secret@") and redis_py >= (8, 2)
+            with Limiter.from_url(url, **options) as limiter:
+                if tolerated:
+                    decided = limiter.hit(policy, "a")  # by the store, exactly
+                    assert (decided.degraded, decided.remaining) == (False, 4)
+                else:
+                    with pytest.raises(RequestRejected, match=r"out of range|credentials"):
+                        limiter.hit(policy, "a")
         else:
 
             async def main(url: str) -> None:

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
-import threading
 from types import TracebackType
 from typing import Any, Generic, TypeVar
 
@@ -23,6 +21,7 @@ from ._fleet import heartbeat_async, heartbeat_sync
 from ._guard import DEFAULT_DENY_CACHE_MAX_AGE, DEFAULT_DENY_CACHE_SIZE, Guard
 from ._keys import DEFAULT_KEY_PREFIX, Identity
 from ._lease import Acquiring, AsyncLease, Lease
+from ._opening import STORAGE_URL_VARIABLE, default_breaker, storage_url, store_options
 from ._policy import Policy
 from ._storage import (
     AsyncStorage,
@@ -40,8 +39,6 @@ __all__ = ["STORAGE_URL_VARIABLE", "AsyncLimiter", "Limiter"]
 
 log = logging.getLogger("ratekeeper")
 
-#: Where ``from_url()`` without a URL finds one.
-STORAGE_URL_VARIABLE = "RATEKEEPER_STORAGE_URL"
 
 _S = TypeVar("_S", SyncStorage, AsyncStorage)
 
@@ -94,64 +91,6 @@ class _Base(Generic[_S]):
     def keys(self, policy: Policy, identity: Identity) -> tuple[str, ...]:
         """The store keys that hold ``identity``'s state under ``policy`` (for debugging)."""
         return self._core.reset_keys(policy, identity)
-
-
-_fallback_lock = threading.Lock()
-_fallback_warned = False
-
-
-def _storage_url(url: str | None) -> str:
-    """``url``; without one, ``$RATEKEEPER_STORAGE_URL`` (unset or empty: not given); without
-    that, ``memory://``, with a warning the first time in a process."""
-    global _fallback_warned
-    if url is not None:
-        return url
-    from_env = os.environ.get(STORAGE_URL_VARIABLE, "")
-    if from_env:
-        return from_env
-    with _fallback_lock:
-        warn, _fallback_warned = not _fallback_warned, True
-    if warn:
-        log.warning(
-            "ratekeeper: no storage URL given and %s is not set: using memory://, whose "
-            "limits are per process (each process admits the whole limit)",
-            STORAGE_URL_VARIABLE,
-        )
-    return "memory://"
-
-
-def _redis_options(
-    timeout: float | None,
-    connect_timeout: float | None,
-    max_connections: int | None,
-    redis_options: dict[str, Any] | None,
-) -> dict[str, Any]:
-    """The store options given (None: not given), for the storage to check and apply:
-    ``memory://`` refuses any, a Redis URL fills in its defaults."""
-    given = {
-        "timeout": timeout,
-        "connect_timeout": connect_timeout,
-        "max_connections": max_connections,
-        "redis_options": redis_options,
-    }
-    return {name: value for name, value in given.items() if value is not None}
-
-
-def _default_breaker(
-    breaker: CircuitBreaker | None, timeout: float | None
-) -> CircuitBreaker | None:
-    """The user's breaker; else, when a store ``timeout`` is given, one whose slow calls are
-    those past it: a patient limiter is not tripped by calls it waits for (None: the default
-    breaker, slow past the default 20 ms timeout). A bad timeout is left to the storage's
-    check."""
-    if (
-        breaker is None
-        and isinstance(timeout, (int, float))
-        and not isinstance(timeout, bool)
-        and timeout > 0
-    ):
-        return CircuitBreaker(slow_call=float(timeout))
-    return breaker
 
 
 class Limiter(_Base[SyncStorage]):
@@ -219,9 +158,9 @@ class Limiter(_Base[SyncStorage]):
         A bad value is a ConfigError naming it; an unknown option a TypeError naming it.
         """
         storage = open_sync(
-            _storage_url(url),
+            storage_url(url),
             clock=clock,
-            **_redis_options(timeout, connect_timeout, max_connections, redis_options),
+            **store_options(timeout, connect_timeout, max_connections, redis_options),
         )
         try:
             return cls(
@@ -230,7 +169,7 @@ class Limiter(_Base[SyncStorage]):
                 clock=clock,
                 failure_mode=failure_mode,
                 local_share=local_share,
-                breaker=_default_breaker(breaker, timeout),
+                breaker=default_breaker(breaker, timeout),
                 deny_cache=deny_cache,
                 deny_cache_max_age=deny_cache_max_age,
                 metrics=metrics,
@@ -405,10 +344,10 @@ class AsyncLimiter(_Base[AsyncStorage]):
         # An asyncio storage opens no connection before its first call: if an option below is
         # refused, there is nothing to close.
         storage = open_async(
-            _storage_url(url),
+            storage_url(url),
             clock=clock,
             batching=batching,
-            **_redis_options(timeout, connect_timeout, max_connections, redis_options),
+            **store_options(timeout, connect_timeout, max_connections, redis_options),
         )
         return cls(
             storage,
@@ -416,7 +355,7 @@ class AsyncLimiter(_Base[AsyncStorage]):
             clock=clock,
             failure_mode=failure_mode,
             local_share=local_share,
-            breaker=_default_breaker(breaker, timeout),
+            breaker=default_breaker(breaker, timeout),
             deny_cache=deny_cache,
             deny_cache_max_age=deny_cache_max_age,
             metrics=metrics,

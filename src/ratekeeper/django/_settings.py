@@ -23,7 +23,8 @@ from django.utils.module_loading import import_string
 
 from .._errors import ConfigError
 from .._http import KeyFunc, Limiting, Request, Rule, _is_async
-from .._limiter import AsyncLimiter, Limiter, _storage_url
+from .._limiter import AsyncLimiter, Limiter
+from .._opening import storage_url
 from .._policy import Policy
 from ..identity import client_ip, header
 
@@ -211,7 +212,7 @@ class Config:
         url = values["STORAGE_URL"]
         if url is not None and not isinstance(url, str):
             raise SettingsError(f"{where}['STORAGE_URL'] must be a str, got {url!r}")
-        self.storage_url: str = _storage_url(url or None)
+        self.storage_url: str = storage_url(url or None)
         options = values["LIMITER_OPTIONS"]
         if not isinstance(options, Mapping):
             raise SettingsError(f"{where}['LIMITER_OPTIONS'] must be a dict of from_url options")

@@ -1,0 +1,88 @@
+"""Framework-free HTTP rules shared by every web integration: the request view, rules, which
+requests are charged and to which policies (chosen per request, stacked, counted on the
+outcome), and the response headers and body. No I/O.
+
+The decision for a request is a generator, :meth:`Limiting.admit`, that yields what it needs
+done and is sent the answers: a :class:`StoreCall` (the driver answers with ``limiter.hit`` or
+``limiter.peek``, or with ``limiter``'s local deny cache for a ``cached`` call) or an awaitable
+from a user's async callable (an async driver awaits it; a sync ``Limiting`` refuses async
+callables when configured). :func:`drive_sync` and :func:`drive_async` are those drivers: every
+integration (ASGI, WSGI, FastAPI, Flask, Django) only moves requests and responses around them.
+
+A request is handled in two steps:
+
+1. ``admit(request)`` returns None (pass it on untouched) or an :class:`Admission`: a response
+   to answer at once (``blocked``), or headers to add to the app's response and the decisions
+   charged (``decisions``, for the handler);
+2. when an admission has ``deferred`` charges (rules with ``deduct_when``), ``settle(admission,
+   status)`` charges those the status calls for, once the app's status is known, and returns
+   the headers to send.
+
+Its rooms: ``_base`` (the vocabulary: choices, constants), ``_rules`` (which requests a policy
+applies to), ``_render`` (headers and 429 bodies), ``_limiting`` (the decision for a request,
+no I/O), ``_drivers`` (running it, blocking or asyncio) and ``_workers`` (``memory://`` under
+several workers). The request view is ``ratekeeper._request``.
+"""
+
+from __future__ import annotations
+
+from .._request import KeyFunc, LazyHeaders, Request
+from ._base import (
+    STATE_KEY,
+    CostChoice,
+    DeductWhen,
+    DeniedResponse,
+    KeyChoice,
+    MissingIdentity,
+    PolicyChoice,
+    Preflight,
+    _is_async,
+)
+from ._drivers import drive_async, drive_blocking, drive_sync
+from ._limiting import Admission, Charge, Limiting, Steps, StoreCall
+from ._render import (
+    headers_for,
+    merge_headers,
+    missing_identity_response,
+    problem_body,
+    rate_limit_headers,
+    response_headers,
+)
+from ._rules import Rule, anonymous_identity, is_preflight, make_rules, match_rule
+from ._workers import several_workers, warn_memory_under_workers
+
+__all__ = [
+    "STATE_KEY",
+    "Admission",
+    "Charge",
+    "CostChoice",
+    "DeductWhen",
+    "DeniedResponse",
+    "KeyChoice",
+    "KeyFunc",
+    "LazyHeaders",
+    "Limiting",
+    "MissingIdentity",
+    "PolicyChoice",
+    "Preflight",
+    "Request",
+    "Rule",
+    "Steps",
+    "StoreCall",
+    "_is_async",
+    "anonymous_identity",
+    "drive_async",
+    "drive_blocking",
+    "drive_sync",
+    "headers_for",
+    "is_preflight",
+    "make_rules",
+    "match_rule",
+    "merge_headers",
+    "missing_identity_response",
+    "problem_body",
+    "rate_limit_headers",
+    "response_headers",
+    "several_workers",
+    "warn_memory_under_workers",
+]

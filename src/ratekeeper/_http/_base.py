@@ -1,0 +1,59 @@
+"""The web layer's vocabulary: what a rule's choices may be, what happens to a request
+without an identity or a preflight, where the decisions are stored on a request."""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any, Literal
+
+from .._decision import Decision
+from .._policy import Policy
+from .._request import Request
+
+if TYPE_CHECKING:
+    pass
+
+
+log = logging.getLogger("ratekeeper")
+
+#: What happens to a request whose key function finds no identity: ``"client_ip"`` limits it by
+#: its address under :func:`anonymous_identity`, ``"reject"`` answers 400, ``"allow"`` passes it
+#: on unlimited (by that policy).
+MissingIdentity = Literal["client_ip", "reject", "allow"]
+MISSING_IDENTITY: tuple[MissingIdentity, ...] = ("client_ip", "reject", "allow")
+
+#: What happens to a CORS preflight that a rule without an explicit "OPTIONS" matches:
+#: ``"exempt"`` passes it on uncharged, ``"charge"`` charges it like any other request.
+Preflight = Literal["exempt", "charge"]
+PREFLIGHT: tuple[Preflight, ...] = ("exempt", "charge")
+
+#: The ``detail`` of the 400 that ``missing_identity="reject"`` answers.
+MISSING_IDENTITY_DETAIL = "The request carries no client identity, which this endpoint requires."
+
+#: The key the decisions charged for a request are stored under: ``scope["state"][STATE_KEY]``
+#: (``request.state.ratekeeper`` on Starlette, FastAPI and Litestar) and ``environ[STATE_KEY]``.
+STATE_KEY = "ratekeeper"
+
+
+#: A rule's policy: a Policy, None (not limited), or a callable of the request returning one
+#: (sync, or async under an async driver).
+PolicyChoice = Policy | Callable[[Request], "Policy | Awaitable[Policy | None] | None"] | None
+#: A key: a callable of the request returning the identity or None (sync, or async).
+KeyChoice = Callable[[Request], "str | Awaitable[str | None] | None"]
+#: A cost: an int >= 1, or a callable of the request returning one (sync, or async).
+CostChoice = int | Callable[[Request], "int | Awaitable[int]"]
+#: Called with the response's status code: whether the request is charged.
+DeductWhen = Callable[[int], bool]
+
+#: Builds a denial response: (decision, request) -> (status, headers, body).
+DeniedResponse = Callable[[Decision, Request], tuple[int, list[tuple[str, str]], bytes]]
+
+
+def _is_async(func: Any) -> bool:
+    """Whether calling ``func`` gives an awaitable to await: a coroutine function, a partial
+    of one, or an object whose ``__call__`` is one. Decided once, at configuration time."""
+    return inspect.iscoroutinefunction(func) or (
+        not inspect.isroutine(func) and inspect.iscoroutinefunction(getattr(func, "__call__", None))  # noqa: B004
+    )

@@ -1,0 +1,150 @@
+"""Rules: which requests a policy applies to (path, methods, exemptions), and the identity of
+an anonymous client."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Sequence
+from collections.abc import Set as AbstractSet
+from dataclasses import dataclass
+from fnmatch import fnmatchcase
+from typing import TYPE_CHECKING, Any
+
+from .._errors import ConfigError
+from .._policy import Policy
+from .._request import Request
+from ._base import CostChoice, DeductWhen, KeyChoice, PolicyChoice, _is_async
+
+if TYPE_CHECKING:
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class Rule:
+    """A route: requests whose method and path match are limited by ``policy``.
+
+    ``path`` is a glob (``/api/*``, ``/users/*/avatar``; ``*`` matches anything, including
+    ``/``) or a compiled regular expression (matched with ``fullmatch``). ``methods`` is a set
+    of methods (any case), or None for any; they match as frameworks route them: Starlette,
+    Flask and Django's class-based views serve HEAD with the GET handler, so a rule naming GET
+    also charges HEAD. A rule that names "OPTIONS" charges every OPTIONS request, CORS
+    preflights included.
+
+    ``policy`` is a Policy; None, which exempts matching requests from every policy (health
+    checks); or a callable of the :class:`Request` returning a Policy or None (None: this rule
+    does not limit the request, an application policy still does). ``key`` overrides the
+    middleware's key function; ``cost`` is what one request spends, an int or a callable of
+    the request. Under ASGI each callable may be sync or ``async def``.
+
+    ``deduct_when`` counts on the outcome: a callable of the response's status code. The
+    request is refused before the handler runs when the budget is already spent (a peek, which
+    consumes nothing), and charged once the status is known, only when ``deduct_when(status)``
+    is true: ``deduct_when=lambda status: status == 401`` counts failed logins.
+
+    ``shadow`` decides and sets headers but never blocks.
+    """
+
+    path: str | re.Pattern[str]
+    policy: PolicyChoice
+    methods: AbstractSet[str] | None = None
+    key: KeyChoice | None = None
+    cost: CostChoice = 1
+    shadow: bool = False
+    deduct_when: DeductWhen | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.path, (str, re.Pattern)):
+            raise ConfigError(f"rule path must be a str or a compiled regex, got {self.path!r}")
+        if not (self.policy is None or isinstance(self.policy, Policy) or callable(self.policy)):
+            raise ConfigError(
+                f"rule policy must be a Policy, None or a callable of the request returning "
+                f"one, got {self.policy!r}"
+            )
+        if self.methods is not None:
+            if isinstance(self.methods, str) or not all(
+                isinstance(m, str) and m for m in self.methods
+            ):
+                raise ConfigError(
+                    f"rule methods must be a set of method names such as {{'GET'}}, "
+                    f"got {self.methods!r}"
+                )
+            methods = frozenset(m.upper() for m in self.methods)
+            if not methods:
+                raise ConfigError("rule methods must name at least one method (None for any)")
+            object.__setattr__(self, "methods", methods)
+        if self.key is not None and not callable(self.key):
+            raise ConfigError(f"rule key must be a callable of the request, got {self.key!r}")
+        if not callable(self.cost):
+            _check_cost(self.cost, "rule cost")
+        if self.deduct_when is not None:
+            if not callable(self.deduct_when):
+                raise ConfigError(
+                    f"rule deduct_when must be a callable of the status code, "
+                    f"got {self.deduct_when!r}"
+                )
+            if _is_async(self.deduct_when):
+                raise ConfigError("rule deduct_when must be a plain function of the status code")
+            if self.policy is None:
+                raise ConfigError("rule deduct_when needs a policy to charge")
+
+    def matches(self, method: str, path: str) -> bool:
+        if self.methods is not None and not (
+            method in self.methods or (method == "HEAD" and "GET" in self.methods)
+        ):
+            return False
+        if isinstance(self.path, str):
+            return fnmatchcase(path, self.path)
+        return self.path.fullmatch(path) is not None
+
+
+def _check_cost(cost: Any, what: str) -> int:
+    if isinstance(cost, bool) or not isinstance(cost, int) or cost < 1:
+        raise ConfigError(f"{what} must be an int >= 1, got {cost!r}")
+    return cost
+
+
+def make_rules(
+    policy: Policy | None, rules: Iterable[Rule], exempt: Iterable[str | re.Pattern[str]]
+) -> tuple[Rule, ...]:
+    """Exemptions first, then the rules in order, then the default policy for every path."""
+    out = [Rule(path, None) for path in exempt]
+    for rule in rules:
+        if not isinstance(rule, Rule):
+            raise ConfigError(f"rules must be Rule values, got {rule!r}")
+        out.append(rule)
+    if policy is not None:
+        if not isinstance(policy, Policy):
+            raise ConfigError(f"policy must be a Policy, got {type(policy).__name__}")
+        out.append(Rule("*", policy))
+    return tuple(out)
+
+
+def match_rule(rules: Sequence[Rule], method: str, path: str) -> Rule | None:
+    """The first rule that matches; None when no rule does."""
+    for rule in rules:
+        if rule.matches(method, path):
+            return rule
+    return None
+
+
+def is_preflight(request: Request) -> bool:
+    """Whether a request is a CORS preflight: OPTIONS with ``Origin`` and
+    ``Access-Control-Request-Method`` (the test Starlette's ``CORSMiddleware`` makes). Browsers
+    send one on their own before a cross-origin request, and then send that request."""
+    return (
+        request.method == "OPTIONS"
+        and "origin" in request.headers
+        and "access-control-request-method" in request.headers
+    )
+
+
+def anonymous_identity(address: str | None) -> str:
+    """The identity ``missing_identity="client_ip"`` gives a request its key function found
+    none for: ``anonymous:`` and the address ``client_ip()`` gives its socket peer
+    (``anonymous:ip:203.0.113.7``), or ``anonymous:no-address`` for every request whose peer
+    is no address (a Unix socket, a test client's ``"testclient"``).
+
+    No key function of ``ratekeeper.identity`` returns this: ``header()`` gives ``<name>:<32
+    hex digits>`` and ``client_ip()`` gives ``ip:...``, so an anonymous client never shares a
+    budget with a real API key or with a client identified by ``client_ip()`` itself."""
+    return f"anonymous:{address}" if address is not None else "anonymous:no-address"
