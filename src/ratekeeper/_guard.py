@@ -45,6 +45,7 @@ from ._errors import (
 from ._fleet import AutoShare, Fleet, check_local_share
 from ._policy import FAILURE_MODES, Policy
 from ._rates import Rate
+from ._storage.base import SENT
 from ._storage.memory import MemoryStorage
 from .metrics import Metrics
 
@@ -139,6 +140,8 @@ class Guard:
         self.breaker.add_listener(self._log_transition)
         #: Which node serves a key (None: the storage has one server, or cannot tell yet).
         self._node_of = node_of
+        #: One breaker for every call (a single server, ``memory://``): ``breaker``.
+        self.one_breaker = node_of is None
         self._nodes: dict[str, CircuitBreaker] = {}
         self._nodes_lock = threading.Lock()
         self._clock_us = micros(clock if clock is not None else time.monotonic)
@@ -234,7 +237,12 @@ class Guard:
     def succeeded(
         self, call: Call, reply: list[int], started: float, breaker: CircuitBreaker
     ) -> Decision:
-        elapsed = time.perf_counter() - started
+        now = time.perf_counter()
+        elapsed = now - started
+        if elapsed > breaker.slow_call:
+            # Maybe not the store's time: the storage says when the call's last round trip
+            # began (``SENT``), after a queue, a new connection or a script load.
+            elapsed = now - max(started, SENT.get())
         breaker.record(True, elapsed)
         self.metrics.store_call(elapsed, True)
         decision = self.core.decide(call, reply)
@@ -258,6 +266,7 @@ class Guard:
     def failed(
         self, call: Call, exc: StorageError, started: float, breaker: CircuitBreaker
     ) -> Decision:
+        started = max(started, SENT.get())  # the call's last round trip, as in succeeded
         elapsed = time.perf_counter() - started
         if isinstance(exc, StorageResponseError):
             # The store answered (OOM, READONLY, CLUSTERDOWN, LOADING, ...): it is up, so the
@@ -281,7 +290,7 @@ class Guard:
     def rejected(self, started: float, breaker: CircuitBreaker) -> None:
         """The store refused the request itself (RequestRejected): it is up and answering, so
         the call counts as a good one for the breaker (and ends a half-open probe)."""
-        elapsed = time.perf_counter() - started
+        elapsed = time.perf_counter() - max(started, SENT.get())
         breaker.record(True, elapsed)
         self.metrics.store_call(elapsed, True)
 

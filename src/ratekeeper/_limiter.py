@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from time import perf_counter
 from types import TracebackType
 from typing import Any, Generic, TypeVar
 
@@ -31,7 +32,6 @@ from ._storage import (
     open_client_sync,
     open_sync,
 )
-from ._storage.base import SENT
 from .metrics import Metrics
 from .typing import FailureMode, LocalShare
 
@@ -225,21 +225,19 @@ class Limiter(_Base[SyncStorage]):
 
     def _run(self, call: Call, cache_asked: bool = False) -> Decision:
         guard = self._guard
-        breaker = guard.breaker_of(call.keys[0])
+        breaker = guard.breaker if guard.one_breaker else guard.breaker_of(call.keys[0])
         early = guard.before(call, breaker, cache_asked)
         if early is not None:
             return early
-        started = guard.started()
+        started = perf_counter()  # guard.started(), without the call
         try:
             reply = self.storage.run(call.script, call.keys, call.args)
         except StorageError as exc:
-            return guard.failed(call, exc, max(started, SENT.get()), breaker)
+            return guard.failed(call, exc, started, breaker)
         except RequestRejected:
-            guard.rejected(max(started, SENT.get()), breaker)
+            guard.rejected(started, breaker)
             raise
-        # The store is judged by the call's last round trip (``SENT``): not by a new
-        # connection's set-up or a script load before it.
-        decision = guard.succeeded(call, reply, max(started, SENT.get()), breaker)
+        decision = guard.succeeded(call, reply, started, breaker)
         if guard.fleet is not None:  # local_share="auto": a heartbeat when one is due
             heartbeat_sync(guard, self.storage)
         return decision
@@ -394,22 +392,19 @@ class AsyncLimiter(_Base[AsyncStorage]):
 
     async def _run(self, call: Call, cache_asked: bool = False) -> Decision:
         guard = self._guard
-        breaker = guard.breaker_of(call.keys[0])
+        breaker = guard.breaker if guard.one_breaker else guard.breaker_of(call.keys[0])
         early = guard.before(call, breaker, cache_asked)
         if early is not None:
             await asyncio.sleep(0)  # answered here: still let other tasks run, as I/O would
             return early
-        started = guard.started()
+        started = perf_counter()  # guard.started(), without the call
         try:
             reply = await self.storage.run(call.script, call.keys, call.args)
         except StorageError as exc:
-            return guard.failed(call, exc, max(started, SENT.get()), breaker)
+            return guard.failed(call, exc, started, breaker)
         except RequestRejected:
-            guard.rejected(max(started, SENT.get()), breaker)
+            guard.rejected(started, breaker)
             raise
-        # The store is judged by the call's last round trip (``SENT``): not by its time in a
-        # batching storage's queue, a new connection's set-up or a script load before it.
-        started = max(started, SENT.get())
         if guard.fleet is not None:  # local_share="auto": a heartbeat task when one is due
             heartbeat_async(guard, self.storage)
         return guard.succeeded(call, reply, started, breaker)

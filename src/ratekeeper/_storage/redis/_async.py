@@ -79,6 +79,9 @@ class AsyncRedisStorage:
         self._map_stale = False
         self._map_refreshed = -float("inf")
         self._watch = master_watch(client)
+        #: Which server serves a key, where there are several to tell apart (a cluster's
+        #: primaries, the primary Sentinel names): one breaker each. None on one server.
+        self.node_of = self._node_of if self._cluster or self._watch is not None else None
         # Batches to a plain server keep their connections instead of checking them in and out
         # of the pool each time (a lock, a readiness poll, a deprecation wrapper): at most one
         # per lane. Sentinel-managed and TLS pools are left alone (see ``_blocking``).
@@ -116,7 +119,7 @@ class AsyncRedisStorage:
         adopt_client(client, asyncio=True)
         return cls(client, batching=batching, owns_client=False)
 
-    def node_of(self, key: str) -> str | None:
+    def _node_of(self, key: str) -> str | None:
         """``host:port`` of the server that serves ``key``: in a cluster, the primary of its
         slot as last known; with Sentinel, the primary last named. None on one server, or
         before it is known (nothing is asked here)."""

@@ -26,7 +26,6 @@ redis-py internals: none (the pipeline it feeds is ``_pipeline``).
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -142,9 +141,6 @@ class Batcher:
                 batch = [call for call in batch if not call.cancelled]
                 if not batch:
                     continue
-                sent = time.perf_counter()  # the transports move it on past a new connection
-                for call in batch:
-                    call.exchange.sent = sent
                 try:
                     await self._send(batch)
                 except asyncio.CancelledError:
@@ -172,8 +168,7 @@ class Batcher:
 
 
 def _timed_out(batch: list[Pending]) -> StorageError | None:
-    """The timeout one of ``batch``'s calls ended with, if one did."""
-    for call in batch:
-        if isinstance(call.exchange.error, StorageTimeout):
-            return call.exchange.error
-    return None
+    """The timeout ``batch`` ended with, if it did: replies come in order, so the last call
+    times out whenever any does."""
+    error = batch[-1].exchange.error
+    return error if isinstance(error, StorageTimeout) else None

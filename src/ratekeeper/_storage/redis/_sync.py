@@ -64,6 +64,9 @@ class RedisStorage:
             if client is None or isinstance(client, redis.cluster.RedisCluster)
             else BlockingTransport(client.connection_pool, keep=can_keep(client))
         )
+        #: Which server serves a key, where there are several to tell apart (a cluster's
+        #: primaries, the primary Sentinel names): one breaker each. None on one server.
+        self.node_of = self._node_of if self._transport is None or self._watch is not None else None
 
     @classmethod
     def from_url(cls, url: str, **options: Any) -> RedisStorage:
@@ -96,7 +99,7 @@ class RedisStorage:
                         raise translate(exc) from exc
         return self._client
 
-    def node_of(self, key: str) -> str | None:
+    def _node_of(self, key: str) -> str | None:
         """``host:port`` of the server that serves ``key``: in a cluster, the primary of its
         slot as last known; with Sentinel, the primary last named. None on one server, or
         before it is known (nothing is asked here)."""
