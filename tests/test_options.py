@@ -18,6 +18,8 @@ import pytest
 from ratekeeper import AsyncLimiter, CircuitBreaker, ConfigError, Decision, Limiter, Policy
 from ratekeeper._limiter import STORAGE_URL_VARIABLE
 from ratekeeper._storage.memory import MemoryStorage
+from ratekeeper.testing import RecordingMetrics
+from ratekeeper.typing import LimiterOptions, UrlOptions
 
 from .servers import RedisServer
 
@@ -66,22 +68,55 @@ def _options(function: Callable[..., object]) -> list[inspect.Parameter]:
     return rest
 
 
-def test_every_builder_spells_out_the_same_limiter_options() -> None:
+def test_every_builder_takes_the_same_typed_limiter_options() -> None:
+    """The options are spelled out once, on the constructor; ``LimiterOptions`` types them
+    for the builders (``**options: Unpack[LimiterOptions]``) with the same names and
+    annotations, so no copy can drift."""
     constructor = _options(Limiter)
     assert [p.name for p in constructor] == list(LIMITER_OPTIONS)
     assert {p.name: p.default for p in constructor}["failure_mode"] == "open"
-    for builder in BUILDERS:
-        # the same names, defaults and annotations as the constructor: no copy drifts
-        assert _options(builder)[: len(constructor)] == constructor, builder
-    assert [p.name for p in _options(Limiter.from_url)] == [*LIMITER_OPTIONS, *STORE_OPTIONS]
-    assert [p.name for p in _options(AsyncLimiter.from_url)] == [
-        *LIMITER_OPTIONS,
-        *STORE_OPTIONS,
-        "batching",
-    ]
-    assert [p.name for p in _options(Limiter.from_client)] == list(LIMITER_OPTIONS)
-    assert [p.name for p in _options(AsyncLimiter.from_client)] == [*LIMITER_OPTIONS, "batching"]
+    assert LimiterOptions.__optional_keys__ == set(LIMITER_OPTIONS)
+    typed = {name: hint.__forward_arg__ for name, hint in LimiterOptions.__annotations__.items()}
+    assert typed == {p.name: p.annotation for p in constructor}
+    own = {
+        Limiter.from_url: (["url"], "UrlOptions"),
+        AsyncLimiter.from_url: (["url", "batching"], "UrlOptions"),
+        Limiter.from_client: (["client"], "LimiterOptions"),
+        AsyncLimiter.from_client: (["client", "batching"], "LimiterOptions"),
+    }
+    for builder, (names, typed_as) in own.items():
+        *params, options = inspect.signature(builder).parameters.values()
+        assert [p.name for p in params] == names, builder
+        assert options.kind is inspect.Parameter.VAR_KEYWORD, builder
+        assert options.annotation == f"Unpack[{typed_as}]", builder
+    assert UrlOptions.__optional_keys__ == {*LIMITER_OPTIONS, *STORE_OPTIONS}
     assert inspect.signature(Limiter.from_url).parameters["url"].default is None
+
+
+def test_the_builders_pass_every_option_on() -> None:
+    clock = lambda: 1_700_000_000.0  # noqa: E731
+    breaker = CircuitBreaker(slow_call=0.5)
+    given: dict[str, Any] = {
+        "key_prefix": "mine",
+        "clock": clock,
+        "failure_mode": "closed",
+        "local_share": 0.5,
+        "breaker": breaker,
+        "deny_cache": 7,
+        "deny_cache_max_age": 2.0,
+        "metrics": RecordingMetrics(),
+    }
+    for limiter in (
+        Limiter.from_url("memory://", **given),
+        AsyncLimiter.from_url("memory://", **given),
+    ):
+        guard = limiter._guard
+        assert limiter.keys(Policy("p", "1/second"), "a")[0].startswith("mine:")
+        assert limiter._core.clock is clock
+        assert (guard.failure_mode, guard.local_share, guard.breaker) == ("closed", 0.5, breaker)
+        assert guard._deny is not None
+        assert (guard._deny.size, guard._deny.max_age_us) == (7, 2_000_000)
+        assert guard.metrics is given["metrics"]
 
 
 @pytest.mark.parametrize(
@@ -90,6 +125,10 @@ def test_every_builder_spells_out_the_same_limiter_options() -> None:
         (lambda: Limiter.from_url("memory://", failur_mode="open"), "Limiter.from_url"),
         (lambda: AsyncLimiter.from_url(failur_mode="open"), "AsyncLimiter.from_url"),
         (lambda: Limiter(MemoryStorage(), failur_mode="open"), "_Base.__init__"),
+        (
+            lambda: AsyncLimiter.from_client(object(), failur_mode="open"),
+            "AsyncLimiter.from_client",
+        ),
         (lambda: Limiter.from_client(object(), failur_mode="open"), "Limiter.from_client"),
     ],
 )

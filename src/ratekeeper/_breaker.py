@@ -114,6 +114,8 @@ class CircuitBreaker:
         self._listeners: list[Callable[[BreakerState, BreakerState], None]] = []
         self._events: list[tuple[BreakerState, BreakerState]] = []
         self._state = BreakerState.CLOSED
+        #: Whether the state is closed (every call goes to the store): read without a lock.
+        self.closed = True
         self._open_for = self.base_open_for
         self._opened_at = 0.0
         self._closed_at = -float("inf")
@@ -207,7 +209,8 @@ class CircuitBreaker:
                 self._fault_known = known
         with self._lock:
             now = self._clock()
-            self._tick(now)
+            if self._state is not BreakerState.CLOSED or self._open_for > self.base_open_for:
+                self._tick(now)  # nothing to do while closed at the base wait
             if self._state is BreakerState.HALF_OPEN:
                 self._probe_in_flight = False
                 if ok and not slow:
@@ -216,10 +219,8 @@ class CircuitBreaker:
                         self._move(BreakerState.CLOSED, now)
                 else:
                     self._move(BreakerState.OPEN, now)
-            elif self._state is BreakerState.CLOSED:
-                self._count(now, ok, slow)
-                if self._should_open():
-                    self._move(BreakerState.OPEN, now)
+            elif self._state is BreakerState.CLOSED and self._counts_open(now, ok, slow):
+                self._move(BreakerState.OPEN, now)
             # OPEN: a late reply from a call made before opening; it changes nothing.
         if self._events:
             self._flush()
@@ -237,6 +238,7 @@ class CircuitBreaker:
     def _tick(self, now: float) -> None:
         if self._state is BreakerState.OPEN and now - self._opened_at >= self._open_for:
             self._state = BreakerState.HALF_OPEN
+            self.closed = False
             self._good_probes = 0
             self._probe_in_flight = False
             self._events.append((BreakerState.OPEN, BreakerState.HALF_OPEN))
@@ -262,7 +264,8 @@ class CircuitBreaker:
             self._bucket_index = index
         return self._buckets[index % _BUCKETS]
 
-    def _count(self, now: float, ok: bool, slow: bool) -> None:
+    def _counts_open(self, now: float, ok: bool, slow: bool) -> bool:
+        """Count a call of the closed state; whether the breaker must open now."""
         bucket, totals = self._rotate(now), self._totals
         bucket[0] += 1
         totals[0] += 1
@@ -270,19 +273,17 @@ class CircuitBreaker:
             bucket[1] += 1
             totals[1] += 1
             self._streak += 1
+            if self._streak >= self.consecutive_failures:
+                return True
         else:
             self._streak = 0
         if slow:
             bucket[2] += 1
             totals[2] += 1
-
-    def _should_open(self) -> bool:
-        if self._streak >= self.consecutive_failures:
-            return True
-        calls, failures, slow = self._totals
+        calls, failures, slow_calls = totals
         if calls < self.min_calls:
             return False
-        return failures >= self.failure_ratio * calls or slow >= self.slow_ratio * calls
+        return failures >= self.failure_ratio * calls or slow_calls >= self.slow_ratio * calls
 
     def _move(self, new: BreakerState, now: float) -> None:
         old = self._state
@@ -294,6 +295,7 @@ class CircuitBreaker:
         elif new is BreakerState.CLOSED:
             self._closed_at = now
         self._state = new
+        self.closed = new is BreakerState.CLOSED
         self._streak = 0
         self._good_probes = 0
         self._probe_in_flight = False

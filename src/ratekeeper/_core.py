@@ -170,7 +170,8 @@ class Core:
     ) -> Call:
         """The call that consumes ``cost`` for ``identity`` if every rate admits it (``keys``:
         its keys from ``keys_of``, if the caller has them already)."""
-        _check_policy(policy)
+        if type(policy) is not Policy:
+            _check_policy(policy)
         if policy.algorithm == "concurrency":
             raise ConfigError(
                 f"policy {policy.name!r} hands out leases: use acquire(), which returns a lease "

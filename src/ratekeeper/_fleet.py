@@ -25,21 +25,12 @@ import threading
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from ._algorithms import HIT, encode_args
-from ._errors import ConfigError, RequestRejected, StorageError
+from ._errors import ConfigError
 from ._scripts import Script, load_script
 
-if TYPE_CHECKING:
-    from ._breaker import CircuitBreaker
-    from ._guard import Guard
-    from ._storage import AsyncStorage, SyncStorage
-
-    #: When a heartbeat was sent, and the breaker of the node it went to.
-    _Sent = tuple[float, CircuitBreaker]
-
-__all__ = ["AutoShare", "Fleet", "check_local_share", "heartbeat_async", "heartbeat_sync"]
+__all__ = ["AutoShare", "Fleet", "check_local_share"]
 
 #: Seconds between heartbeats by default; an id expires after ``TTL_BEATS`` missed ones.
 DEFAULT_HEARTBEAT = 1.0
@@ -184,61 +175,3 @@ class Fleet:
         """Wait for the heartbeat tasks in flight (for tests, and before closing a storage)."""
         if self._tasks:
             await asyncio.gather(*self._tasks)
-
-
-def _beat_started(guard: Guard) -> tuple[Fleet, Beat, _Sent] | None:
-    fleet = guard.fleet
-    if fleet is None:
-        return None
-    breaker = guard.breaker_of(fleet.key)
-    if not guard.beat_allowed(breaker):
-        return None
-    beat = fleet.due()
-    if beat is None:
-        return None
-    return fleet, beat, (guard.started(), breaker)
-
-
-def _beaten(
-    guard: Guard, fleet: Fleet, sent: _Sent, outcome: list[int] | StorageError | RequestRejected
-) -> None:
-    """A heartbeat's outcome, told to the guard (breaker, metrics, log) and to the fleet."""
-    started, breaker = sent
-    if isinstance(outcome, list):
-        guard.beat_succeeded(started, breaker)
-        fleet.beaten(outcome)
-    else:
-        guard.beat_failed(outcome, started, breaker)
-        fleet.beaten(None)
-
-
-def heartbeat_sync(guard: Guard, storage: SyncStorage) -> None:
-    """Beat now if one is due; the outcome goes to the guard, a store failure is not raised."""
-    started = _beat_started(guard)
-    if started is None:
-        return
-    fleet, (script, keys, args), at = started
-    try:
-        reply = storage.run(script, keys, args)
-    except (StorageError, RequestRejected) as exc:
-        _beaten(guard, fleet, at, exc)
-    else:
-        _beaten(guard, fleet, at, reply)
-
-
-def heartbeat_async(guard: Guard, storage: AsyncStorage) -> None:
-    """Start a heartbeat task if one is due; the caller does not wait for it."""
-    started = _beat_started(guard)
-    if started is None:
-        return
-    fleet, (script, keys, args), at = started
-
-    async def beat() -> None:
-        try:
-            reply = await storage.run(script, keys, args)
-        except (StorageError, RequestRejected) as exc:
-            _beaten(guard, fleet, at, exc)
-        else:
-            _beaten(guard, fleet, at, reply)
-
-    fleet.track(asyncio.ensure_future(beat()))

@@ -1,16 +1,8 @@
 """Resilience around every store call, without I/O: breaker, failure modes, deny cache, metrics.
 
-``Limiter`` and ``AsyncLimiter`` drive it the same way::
-
-    breaker = guard.breaker_of(call.keys[0])    # the breaker of the node that serves it
-    early = guard.before(call, breaker)         # a cached denial or an open breaker answers
-    if early is None:
-        started = guard.started()
-        try:
-            reply = <run call on the store>
-        except StorageError as exc:
-            return guard.failed(call, exc, started, breaker)  # the failure mode, or raises
-        return guard.succeeded(call, reply, started, breaker)
+The decision path (``_path``) asks it at each step: ``before`` the store call (a cached
+denial or an open breaker answers), then ``succeeded``, ``failed`` (the failure mode, or raises)
+or ``rejected``; the ``beat_*`` methods for fleet heartbeats.
 
 One breaker per failure domain: a storage that can tell which server serves a key (a cluster's
 primaries, the primary Sentinel names) has ``node_of(key)``, and each node gets a breaker made
@@ -136,6 +128,9 @@ class Guard:
         self.local_share = share
         self.breaker = breaker if breaker is not None else CircuitBreaker()
         self.metrics = metrics if metrics is not None else Metrics()
+        #: Whether the metrics hook counts anything (the default one does not: not called on
+        #: the hot path).
+        self._counting = type(self.metrics) is not Metrics
         self.breaker.add_listener(self.metrics.breaker_transition)
         self.breaker.add_listener(self._log_transition)
         #: Which node serves a key (None: the storage has one server, or cannot tell yet).
@@ -148,6 +143,8 @@ class Guard:
         self._deny = (
             DenyCache(deny_cache, self._clock_us, deny_cache_max_age) if deny_cache else None
         )
+        #: The algorithms whose denials are cached here (none without a deny cache).
+        self.cacheable = _CACHEABLE if self._deny is not None else frozenset()
         self._local: MemoryStorage | None = None
         self._local_policies: dict[tuple[Policy, float], Policy | None] = {}
         self._log = _Throttled()
@@ -205,13 +202,14 @@ class Guard:
 
     def caches(self, policy: Policy) -> bool:
         """Whether denials under ``policy`` may be cached (then ask ``cached`` first)."""
-        return self._deny is not None and policy.algorithm in _CACHEABLE
+        return policy.algorithm in self.cacheable
 
-    def cached(self, key: str) -> Decision | None:
-        """A cached denial of a cost-1 hit on ``key``, before any call is built; or None."""
+    def cached(self, key: str, cost: int = 1) -> Decision | None:
+        """A cached denial of a hit of ``cost`` on ``key``, before any call is built; or
+        None."""
         if self._deny is None:
             return None
-        cached = self._deny.lookup(key, 1)
+        cached = self._deny.lookup(key, cost)
         if cached is not None:
             self.metrics.decision(cached)
         return cached
@@ -231,9 +229,6 @@ class Guard:
             return None
         return self._fallback(call, "breaker_open", None, breaker)
 
-    def started(self) -> float:
-        return time.perf_counter()
-
     def succeeded(
         self, call: Call, reply: list[int], started: float, breaker: CircuitBreaker
     ) -> Decision:
@@ -244,7 +239,9 @@ class Guard:
             # began (``SENT``), after a queue, a new connection or a script load.
             elapsed = now - max(started, SENT.get())
         breaker.record(True, elapsed)
-        self.metrics.store_call(elapsed, True)
+        counting = self._counting
+        if counting:
+            self.metrics.store_call(elapsed, True)
         decision = self.core.decide(call, reply)
         if self._deny is not None and decision.allowed and call.mode == HIT:
             self._deny.discard(call.keys[0])
@@ -260,7 +257,8 @@ class Guard:
             given = int(call.args[0])
             sent = given if given > 0 else self._clock_us() - round(elapsed * 1_000_000)
             self._deny.store(call.keys[0], call.cost, decision, sent)
-        self.metrics.decision(decision)
+        if counting:
+            self.metrics.decision(decision)
         return decision
 
     def failed(
@@ -294,7 +292,7 @@ class Guard:
         breaker.record(True, elapsed)
         self.metrics.store_call(elapsed, True)
 
-    # -- fleet heartbeats (local_share="auto"; driven by ``_fleet.heartbeat_*``) ---------------
+    # -- fleet heartbeats (local_share="auto"; their steps are ``_path``'s) --------------------
 
     def beat_allowed(self, breaker: CircuitBreaker) -> bool:
         """Heartbeats go only to a node the breaker trusts: never as a half-open probe."""

@@ -13,7 +13,7 @@ A key looks like ``<prefix>:<policy>:{<tag>}:<suffix>``:
 from __future__ import annotations
 
 import re
-from base64 import urlsafe_b64encode
+from binascii import b2a_base64
 from functools import lru_cache
 from hashlib import blake2b
 from typing import Any
@@ -25,6 +25,9 @@ __all__ = ["DEFAULT_KEY_PREFIX", "Identity", "KeyBuilder", "identity_bytes"]
 Identity = str | bytes | int
 
 DEFAULT_KEY_PREFIX = "ratekeeper"
+
+#: base64 to its URL-safe alphabet (``base64.urlsafe_b64encode``, without its two calls).
+_URL_SAFE = bytes.maketrans(b"+/", b"-_")
 
 _PREFIX = re.compile(r"[A-Za-z0-9_.:/-]{1,64}", re.ASCII)
 
@@ -82,8 +85,12 @@ class KeyBuilder:
             if len(self._named) < _NAMED_STATES:
                 self._named[policy_name] = named
         h = named.copy()
-        h.update(identity_bytes(identity))
-        return urlsafe_b64encode(h.digest()).rstrip(b"=").decode("ascii")
+        h.update(
+            identity.encode("utf-8", "surrogatepass")  # the usual identity, without a call
+            if type(identity) is str
+            else identity_bytes(identity)
+        )
+        return b2a_base64(h.digest(), newline=False).translate(_URL_SAFE)[:22].decode("ascii")
 
     def fleet_key(self) -> str:
         """The sorted set of live instances with ``local_share="auto"`` under this prefix:

@@ -1,28 +1,27 @@
-"""``Limiter`` (blocking) and ``AsyncLimiter`` (asyncio): thin drivers over the shared core.
+"""``Limiter`` (blocking) and ``AsyncLimiter`` (asyncio): the two drivers of the decision path.
 
-Everything but I/O lives in ``_core`` (key building, argument encoding, reading the reply) and
-``_guard`` (breaker, failure modes, deny cache, metrics); the two classes below only pass a call
-to their storage and its reply or error back.
+Everything but I/O lives in ``_path`` (the order of every step: deny cache, breaker, store call,
+decision, heartbeat), ``_core`` (keys, arguments, replies) and ``_guard`` (breakers, failure
+modes, deny cache, metrics). Each class below only runs the steps on its storage (``_drive``)
+and hands the replies back.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from time import perf_counter
-from types import TracebackType
-from typing import Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from ._breaker import CircuitBreaker
 from ._clock import Clock
 from ._core import Call, Core
 from ._decision import Decision
 from ._errors import RequestRejected, StorageError
-from ._fleet import heartbeat_async, heartbeat_sync
 from ._guard import DEFAULT_DENY_CACHE_MAX_AGE, DEFAULT_DENY_CACHE_SIZE, Guard
 from ._keys import DEFAULT_KEY_PREFIX, Identity
 from ._lease import Acquiring, AsyncLease, Lease
-from ._opening import STORAGE_URL_VARIABLE, default_breaker, storage_url, store_options
+from ._opening import STORAGE_URL_VARIABLE, check_options, opening
+from ._path import Later, Path, Steps
 from ._policy import Policy
 from ._storage import (
     AsyncStorage,
@@ -35,17 +34,24 @@ from ._storage import (
 from .metrics import Metrics
 from .typing import FailureMode, LocalShare
 
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
+
+    from .typing import LimiterOptions, UrlOptions
+
 __all__ = ["STORAGE_URL_VARIABLE", "AsyncLimiter", "Limiter"]
 
 log = logging.getLogger("ratekeeper")
 
 
 _S = TypeVar("_S", SyncStorage, AsyncStorage)
+_STORE_FAULTS = (StorageError, RequestRejected)
 
 
 class _Base(Generic[_S]):
-    """What both limiters hold: the storage, the core, the guard, and the options that
-    configure them (described in :meth:`Limiter.from_url`)."""
+    """What both limiters hold: the storage, the core, the guard and the path over them, and
+    the options (:class:`ratekeeper.typing.LimiterOptions`, described in
+    :meth:`Limiter.from_url`)."""
 
     def __init__(
         self,
@@ -72,6 +78,7 @@ class _Base(Generic[_S]):
             clock=clock,
             node_of=getattr(storage, "node_of", None),
         )
+        self._path = Path(self._core, self._guard)
         self.storage: _S = storage
 
     @property
@@ -92,6 +99,11 @@ class _Base(Generic[_S]):
         """The store keys that hold ``identity``'s state under ``policy`` (for debugging)."""
         return self._core.reset_keys(policy, identity)
 
+    def cached(self, policy: Policy, identity: Identity, cost: int = 1) -> Decision | None:
+        """The denial this process's deny cache holds for a hit of ``cost``, or None; asks no
+        store and consumes nothing (a stack of policies asks each before charging any)."""
+        return self._path.cached(policy, identity, cost)
+
 
 class Limiter(_Base[SyncStorage]):
     """Decides whether an identity may spend ``cost`` under a policy, blocking.
@@ -106,30 +118,14 @@ class Limiter(_Base[SyncStorage]):
     """
 
     @classmethod
-    def from_url(
-        cls,
-        url: str | None = None,
-        *,
-        key_prefix: str = DEFAULT_KEY_PREFIX,
-        clock: Clock | None = None,
-        failure_mode: FailureMode = "open",
-        local_share: LocalShare = 1.0,
-        breaker: CircuitBreaker | None = None,
-        deny_cache: int = DEFAULT_DENY_CACHE_SIZE,
-        deny_cache_max_age: float = DEFAULT_DENY_CACHE_MAX_AGE,
-        metrics: Metrics | None = None,
-        timeout: float | None = None,
-        connect_timeout: float | None = None,
-        max_connections: int | None = None,
-        redis_options: dict[str, Any] | None = None,
-    ) -> Limiter:
+    def from_url(cls, url: str | None = None, **options: Unpack[UrlOptions]) -> Limiter:
         """A limiter on ``memory://``, ``redis://``, ``rediss://``, ``unix://``,
         ``redis+cluster://`` or ``redis+sentinel://`` (``valkey`` may replace ``redis``).
 
         Without a URL, the one in the ``RATEKEEPER_STORAGE_URL`` environment variable; without
         that, ``memory://``, and a warning (once per process) that its limits are per process.
 
-        Options, all keyword-only:
+        Options, all keyword-only (:class:`ratekeeper.typing.UrlOptions`):
 
         * ``key_prefix``: the first part of every key (default ``"ratekeeper"``).
         * ``clock``: client time instead of the store's (a callable returning epoch seconds).
@@ -157,41 +153,16 @@ class Limiter(_Base[SyncStorage]):
 
         A bad value is a ConfigError naming it; an unknown option a TypeError naming it.
         """
-        storage = open_sync(
-            storage_url(url),
-            clock=clock,
-            **store_options(timeout, connect_timeout, max_connections, redis_options),
-        )
+        url, store, limiter = opening("Limiter.from_url", url, options)
+        storage = open_sync(url, **store)
         try:
-            return cls(
-                storage,
-                key_prefix=key_prefix,
-                clock=clock,
-                failure_mode=failure_mode,
-                local_share=local_share,
-                breaker=default_breaker(breaker, timeout),
-                deny_cache=deny_cache,
-                deny_cache_max_age=deny_cache_max_age,
-                metrics=metrics,
-            )
+            return cls(storage, **limiter)
         except BaseException:
             storage.close()  # connects on first use: nothing was sent
             raise
 
     @classmethod
-    def from_client(
-        cls,
-        client: Any,
-        *,
-        key_prefix: str = DEFAULT_KEY_PREFIX,
-        clock: Clock | None = None,
-        failure_mode: FailureMode = "open",
-        local_share: LocalShare = 1.0,
-        breaker: CircuitBreaker | None = None,
-        deny_cache: int = DEFAULT_DENY_CACHE_SIZE,
-        deny_cache_max_age: float = DEFAULT_DENY_CACHE_MAX_AGE,
-        metrics: Metrics | None = None,
-    ) -> Limiter:
+    def from_client(cls, client: Any, **options: Unpack[LimiterOptions]) -> Limiter:
         """A limiter on your own redis-py client: ``redis.Redis`` (Sentinel-managed or not:
         ``Sentinel.master_for(...)``) or ``redis.cluster.RedisCluster``. valkey-py clients are
         not accepted; ``redis.Redis`` speaks to Valkey.
@@ -206,61 +177,42 @@ class Limiter(_Base[SyncStorage]):
         them). The default breaker counts a call slow past 20 ms; pass
         ``breaker=CircuitBreaker(slow_call=...)`` to match a longer ``socket_timeout``.
         """
+        check_options("Limiter.from_client", options)
         storage = open_client_sync(client)
         try:
-            return cls(
-                storage,
-                key_prefix=key_prefix,
-                clock=clock,
-                failure_mode=failure_mode,
-                local_share=local_share,
-                breaker=breaker,
-                deny_cache=deny_cache,
-                deny_cache_max_age=deny_cache_max_age,
-                metrics=metrics,
-            )
+            return cls(storage, **options)
         except BaseException:
             storage.close()  # gives nothing back: the client stays as it was
             raise
 
-    def _run(self, call: Call, cache_asked: bool = False) -> Decision:
-        guard = self._guard
-        breaker = guard.breaker if guard.one_breaker else guard.breaker_of(call.keys[0])
-        early = guard.before(call, breaker, cache_asked)
-        if early is not None:
-            return early
-        started = perf_counter()  # guard.started(), without the call
+    def _drive(self, steps: Decision | Steps) -> Any:
+        """Run ``steps`` on the storage, in this thread; their result."""
+        if isinstance(steps, Decision):
+            return steps
+        run = self.storage.run
         try:
-            reply = self.storage.run(call.script, call.keys, call.args)
-        except StorageError as exc:
-            return guard.failed(call, exc, started, breaker)
-        except RequestRejected:
-            guard.rejected(started, breaker)
-            raise
-        decision = guard.succeeded(call, reply, started, breaker)
-        if guard.fleet is not None:  # local_share="auto": a heartbeat when one is due
-            heartbeat_sync(guard, self.storage)
-        return decision
+            step = next(steps)
+            while True:
+                if isinstance(step, Later):  # a heartbeat: in place, its outcome told, not raised
+                    self._drive(step.steps)
+                    step = next(steps)
+                    continue
+                outcome: object
+                try:
+                    outcome = run(step.script, step.keys, step.args)
+                except _STORE_FAULTS as fault:
+                    outcome = fault
+                step = steps.send(outcome)
+        except StopIteration as done:
+            return done.value
 
     def hit(self, policy: Policy, identity: Identity, cost: int = 1) -> Decision:
         """Consume ``cost`` if every rate of ``policy`` admits it; otherwise change nothing."""
-        core = self._core
-        if (
-            cost == 1
-            and type(cost) is int
-            and type(policy) is Policy
-            and self._guard.caches(policy)
-        ):
-            keys = core.keys_of(policy, identity)
-            cached = self._guard.cached(keys[0])
-            if cached is not None:  # a flood on a denied key: no call is even built
-                return cached
-            return self._run(core.hit(policy, identity, 1, keys), True)  # keys built once
-        return self._run(core.hit(policy, identity, cost))
+        return self._drive(self._path.hit(policy, identity, cost))  # type: ignore[no-any-return]
 
     def peek(self, policy: Policy, identity: Identity, cost: int = 1) -> Decision:
         """Whether a hit of ``cost`` would pass now, without consuming anything."""
-        return self._run(self._core.peek(policy, identity, cost))
+        return self._drive(self._path.peek(policy, identity, cost))  # type: ignore[no-any-return]
 
     def acquire(self, policy: Policy, identity: Identity, cost: int = 1) -> Lease:
         """Take a lease of ``cost`` units under a ``concurrency`` policy.
@@ -268,17 +220,18 @@ class Limiter(_Base[SyncStorage]):
         The lease is granted only if ``lease.allowed``; release it with ``lease.release()`` or
         by using it as a context manager.
         """
-        call = self._core.acquire(policy, identity, cost)
+        path = self._path
+        call = path.acquire(policy, identity, cost)
         return Lease(
-            call, self._run(call), lambda c: self._run(self._core.release(c, identity)).allowed
+            call,
+            self._drive(path.decide(call)),
+            lambda taken: bool(self._drive(path.release(taken, identity)).allowed),
         )
 
     def reset(self, policy: Policy, identity: Identity) -> None:
         """Forget everything ``identity`` has consumed under ``policy``. Raises StorageError
         if the store cannot be reached: a reset is never silently skipped."""
-        keys = self._core.reset_keys(policy, identity)
-        self._guard.forget(keys)
-        self.storage.delete(keys)
+        self.storage.delete(self._path.reset(policy, identity))
 
     def close(self) -> None:
         """Release the storage's connections."""
@@ -287,12 +240,7 @@ class Limiter(_Base[SyncStorage]):
     def __enter__(self) -> Limiter:
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         self.close()
 
     def wait(
@@ -319,136 +267,80 @@ class AsyncLimiter(_Base[AsyncStorage]):
 
     @classmethod
     def from_url(
-        cls,
-        url: str | None = None,
-        *,
-        key_prefix: str = DEFAULT_KEY_PREFIX,
-        clock: Clock | None = None,
-        failure_mode: FailureMode = "open",
-        local_share: LocalShare = 1.0,
-        breaker: CircuitBreaker | None = None,
-        deny_cache: int = DEFAULT_DENY_CACHE_SIZE,
-        deny_cache_max_age: float = DEFAULT_DENY_CACHE_MAX_AGE,
-        metrics: Metrics | None = None,
-        timeout: float | None = None,
-        connect_timeout: float | None = None,
-        max_connections: int | None = None,
-        redis_options: dict[str, Any] | None = None,
-        batching: bool = True,
+        cls, url: str | None = None, *, batching: bool = True, **options: Unpack[UrlOptions]
     ) -> AsyncLimiter:
         """An asyncio limiter; the URLs (and ``RATEKEEPER_STORAGE_URL``) and options are those
         of :meth:`Limiter.from_url`, and ``batching`` (default True; Redis and Valkey only)
         coalesces concurrent calls into pipelined round trips."""
-        # An asyncio storage opens no connection before its first call: if an option below is
+        # An asyncio storage opens no connection before its first call: if an option is
         # refused, there is nothing to close.
-        storage = open_async(
-            storage_url(url),
-            clock=clock,
-            batching=batching,
-            **store_options(timeout, connect_timeout, max_connections, redis_options),
-        )
-        return cls(
-            storage,
-            key_prefix=key_prefix,
-            clock=clock,
-            failure_mode=failure_mode,
-            local_share=local_share,
-            breaker=default_breaker(breaker, timeout),
-            deny_cache=deny_cache,
-            deny_cache_max_age=deny_cache_max_age,
-            metrics=metrics,
-        )
+        url, store, limiter = opening("AsyncLimiter.from_url", url, options)
+        return cls(open_async(url, batching=batching, **store), **limiter)
 
     @classmethod
     def from_client(
-        cls,
-        client: Any,
-        *,
-        key_prefix: str = DEFAULT_KEY_PREFIX,
-        clock: Clock | None = None,
-        failure_mode: FailureMode = "open",
-        local_share: LocalShare = 1.0,
-        breaker: CircuitBreaker | None = None,
-        deny_cache: int = DEFAULT_DENY_CACHE_SIZE,
-        deny_cache_max_age: float = DEFAULT_DENY_CACHE_MAX_AGE,
-        metrics: Metrics | None = None,
-        batching: bool = True,
+        cls, client: Any, *, batching: bool = True, **options: Unpack[LimiterOptions]
     ) -> AsyncLimiter:
         """An asyncio limiter on your own ``redis.asyncio.Redis`` (Sentinel-managed or not) or
         ``redis.asyncio.cluster.RedisCluster``: what :meth:`Limiter.from_client` says of the
         client holds here too (used as configured, never changed or closed), and ``batching``
         is that of :meth:`from_url`."""
-        return cls(
-            open_client_async(client, batching=batching),
-            key_prefix=key_prefix,
-            clock=clock,
-            failure_mode=failure_mode,
-            local_share=local_share,
-            breaker=breaker,
-            deny_cache=deny_cache,
-            deny_cache_max_age=deny_cache_max_age,
-            metrics=metrics,
-        )
+        check_options("AsyncLimiter.from_client", options)
+        return cls(open_client_async(client, batching=batching), **options)
 
-    async def _run(self, call: Call, cache_asked: bool = False) -> Decision:
-        guard = self._guard
-        breaker = guard.breaker if guard.one_breaker else guard.breaker_of(call.keys[0])
-        early = guard.before(call, breaker, cache_asked)
-        if early is not None:
-            await asyncio.sleep(0)  # answered here: still let other tasks run, as I/O would
-            return early
-        started = perf_counter()  # guard.started(), without the call
+    async def _drive(self, steps: Decision | Steps) -> Any:
+        """Run ``steps`` on the storage; their result. One answered without the store still
+        lets other tasks run first, as I/O would: a flood of cached denials cannot hold the
+        loop."""
         try:
-            reply = await self.storage.run(call.script, call.keys, call.args)
-        except StorageError as exc:
-            return guard.failed(call, exc, started, breaker)
-        except RequestRejected:
-            guard.rejected(started, breaker)
-            raise
-        if guard.fleet is not None:  # local_share="auto": a heartbeat task when one is due
-            heartbeat_async(guard, self.storage)
-        return guard.succeeded(call, reply, started, breaker)
+            if isinstance(steps, Decision):
+                raise StopIteration(steps)
+            step = next(steps)
+        except StopIteration as done:
+            await asyncio.sleep(0)
+            return done.value
+        run = self.storage.run
+        try:
+            while True:
+                if isinstance(step, Later):  # a heartbeat: a task of its own
+                    step.fleet.track(asyncio.ensure_future(self._drive(step.steps)))
+                    step = next(steps)
+                    continue
+                outcome: object
+                try:
+                    outcome = await run(step.script, step.keys, step.args)
+                except _STORE_FAULTS as fault:
+                    outcome = fault
+                step = steps.send(outcome)
+        except StopIteration as done:
+            return done.value
 
     async def hit(self, policy: Policy, identity: Identity, cost: int = 1) -> Decision:
         """Consume ``cost`` if every rate of ``policy`` admits it; otherwise change nothing."""
-        core = self._core
-        if (
-            cost == 1
-            and type(cost) is int
-            and type(policy) is Policy
-            and self._guard.caches(policy)
-        ):
-            keys = core.keys_of(policy, identity)
-            cached = self._guard.cached(keys[0])
-            if cached is not None:
-                await asyncio.sleep(0)  # a flood of cached denials must not hold the loop
-                return cached
-            return await self._run(core.hit(policy, identity, 1, keys), True)  # keys built once
-        return await self._run(core.hit(policy, identity, cost))
+        return await self._drive(self._path.hit(policy, identity, cost))  # type: ignore[no-any-return]
 
     async def peek(self, policy: Policy, identity: Identity, cost: int = 1) -> Decision:
         """Whether a hit of ``cost`` would pass now, without consuming anything."""
-        return await self._run(self._core.peek(policy, identity, cost))
+        return await self._drive(self._path.peek(policy, identity, cost))  # type: ignore[no-any-return]
 
     def acquire(self, policy: Policy, identity: Identity, cost: int = 1) -> Acquiring:
         """Take a lease under a ``concurrency`` policy: ``lease = await limiter.acquire(...)``
         or ``async with limiter.acquire(...) as lease:`` (released on exit)."""
-        call = self._core.acquire(policy, identity, cost)
+        path = self._path
+        call = path.acquire(policy, identity, cost)
 
-        async def release(acquired: Call) -> bool:
-            return (await self._run(self._core.release(acquired, identity))).allowed
+        async def release(taken: Call) -> bool:
+            return bool((await self._drive(path.release(taken, identity))).allowed)
 
         async def take() -> AsyncLease:
-            return AsyncLease(call, await self._run(call), release)
+            return AsyncLease(call, await self._drive(path.decide(call)), release)
 
         return Acquiring(take)
 
     async def reset(self, policy: Policy, identity: Identity) -> None:
         """Forget everything ``identity`` has consumed under ``policy``. Raises StorageError
         if the store cannot be reached: a reset is never silently skipped."""
-        keys = self._core.reset_keys(policy, identity)
-        self._guard.forget(keys)
-        await self.storage.delete(keys)
+        await self.storage.delete(self._path.reset(policy, identity))
 
     async def close(self) -> None:
         """Release the storage's connections."""
@@ -457,12 +349,7 @@ class AsyncLimiter(_Base[AsyncStorage]):
     async def __aenter__(self) -> AsyncLimiter:
         return self
 
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    async def __aexit__(self, *exc_info: object) -> None:
         await self.close()
 
     async def wait(

@@ -7,11 +7,13 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from collections.abc import Mapping
 from typing import Any
 
 from ._breaker import CircuitBreaker
+from .typing import LimiterOptions, UrlOptions
 
-__all__ = ["STORAGE_URL_VARIABLE", "default_breaker", "storage_url", "store_options"]
+__all__ = ["STORAGE_URL_VARIABLE", "check_options", "default_breaker", "opening", "storage_url"]
 
 log = logging.getLogger("ratekeeper")
 
@@ -42,21 +44,26 @@ def storage_url(url: str | None) -> str:
     return "memory://"
 
 
-def store_options(
-    timeout: float | None,
-    connect_timeout: float | None,
-    max_connections: int | None,
-    redis_options: dict[str, Any] | None,
-) -> dict[str, Any]:
-    """The store options given (None: not given), for the storage to check and apply:
-    ``memory://`` refuses any, a Redis URL fills in its defaults."""
-    given = {
-        "timeout": timeout,
-        "connect_timeout": connect_timeout,
-        "max_connections": max_connections,
-        "redis_options": redis_options,
-    }
-    return {name: value for name, value in given.items() if value is not None}
+#: The options of a Redis or Valkey store, as ``from_url`` takes them.
+_STORE_OPTIONS = ("timeout", "connect_timeout", "max_connections", "redis_options")
+
+
+def opening(
+    where: str, url: str | None, options: UrlOptions
+) -> tuple[str, dict[str, Any], LimiterOptions]:
+    """What ``from_url`` (named ``where``) opens, split from what it builds: the URL, the
+    store's options (the ones given, and the clock) and the limiter's options (the default
+    breaker following a given ``timeout``). An unknown option is a TypeError, raised before
+    anything is opened; a bad value is left to the storage's or the limiter's check."""
+    check_options(where, options, _STORE_OPTIONS)
+    given: dict[str, Any] = dict(options)
+    store = {name: given.pop(name) for name in _STORE_OPTIONS if given.get(name) is not None}
+    for name in _STORE_OPTIONS:
+        given.pop(name, None)
+    store["clock"] = given.get("clock")
+    given["breaker"] = default_breaker(given.get("breaker"), store.get("timeout"))
+    limiter: LimiterOptions = given  # type: ignore[assignment]  # only its keys are left
+    return storage_url(url), store, limiter
 
 
 def default_breaker(breaker: CircuitBreaker | None, timeout: float | None) -> CircuitBreaker | None:
@@ -72,3 +79,11 @@ def default_breaker(breaker: CircuitBreaker | None, timeout: float | None) -> Ci
     ):
         return CircuitBreaker(slow_call=float(timeout))
     return breaker
+
+
+def check_options(where: str, options: Mapping[str, object], more: tuple[str, ...] = ()) -> None:
+    """A TypeError naming the first unknown option given to ``where`` (as Python names an
+    unknown keyword argument): a limiter option, or one of ``more``."""
+    for name in options:
+        if name not in LimiterOptions.__optional_keys__ and name not in more:
+            raise TypeError(f"{where}() got an unexpected keyword argument {name!r}")

@@ -20,30 +20,17 @@ handshake is closed before it is accepted). The decisions charged for a request 
 
 from __future__ import annotations
 
-import re
 from collections.abc import Awaitable, Callable, Iterable, MutableMapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ._decision import Decision
-from ._errors import ConfigError
-from ._http import (
-    STATE_KEY,
-    Admission,
-    CostChoice,
-    DeniedResponse,
-    KeyChoice,
-    LazyHeaders,
-    Limiting,
-    MissingIdentity,
-    PolicyChoice,
-    Preflight,
-    Request,
-    Rule,
-    drive_async,
-    warn_memory_under_workers,
-)
+from ._http import STATE_KEY, Admission, PolicyChoice, Rule, drive_async
+from ._http._middleware import EndpointOptions, Middleware, endpoint_limiting
 from ._limiter import AsyncLimiter
-from ._policy import Policy
+from ._request import LazyHeaders, Request
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 __all__ = [
     "RateLimitExceeded",
@@ -83,7 +70,7 @@ def request_from_scope(scope: Scope) -> Request:
     )
 
 
-class RateLimitMiddleware:
+class RateLimitMiddleware(Middleware[ASGIApp, AsyncLimiter]):
     """Limits every HTTP request and websocket handshake by the first matching rule, and by
     the application policy if there is one.
 
@@ -132,48 +119,11 @@ class RateLimitMiddleware:
     --workers``, gunicorn), a warning is logged once: each worker would admit the whole limit.
     """
 
-    def __init__(
-        self,
-        app: ASGIApp,
-        *,
-        limiter: AsyncLimiter,
-        policy: Policy | None = None,
-        key: KeyChoice | None = None,
-        rules: Iterable[Rule] = (),
-        exempt: Iterable[str | re.Pattern[str]] = (),
-        shadow: bool = False,
-        legacy_headers: bool = False,
-        denied: DeniedResponse | None = None,
-        missing_identity: MissingIdentity = "client_ip",
-        preflight: Preflight = "exempt",
-        application_policy: PolicyChoice = None,
-        application_key: KeyChoice | None = None,
-        enabled: bool = True,
-    ) -> None:
-        if not isinstance(limiter, AsyncLimiter):
-            raise ConfigError(
-                "the ASGI middleware needs an AsyncLimiter: a blocking Limiter would stall the "
-                "event loop"
-            )
-        self.app = app
-        self.limiter = limiter
-        self.limiting = Limiting(
-            policy=policy,
-            key=key,
-            rules=rules,
-            exempt=exempt,
-            shadow=shadow,
-            legacy_headers=legacy_headers,
-            denied=denied,
-            missing_identity=missing_identity,
-            preflight=preflight,
-            application_policy=application_policy,
-            application_key=application_key,
-            enabled=enabled,
-            asynchronous=True,
-        )
-        if enabled:
-            warn_memory_under_workers(limiter, "the ASGI middleware's limiter")
+    kind = "ASGI"
+    drives = AsyncLimiter
+    refusal = (
+        "the ASGI middleware needs an AsyncLimiter: a blocking Limiter would stall the event loop"
+    )
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         kind = scope["type"]
@@ -309,16 +259,7 @@ async def rate_limit_exceeded_handler(request: Any, exc: RateLimitExceeded) -> A
 
 
 def fastapi_dependency(
-    limiter: AsyncLimiter,
-    policy: PolicyChoice,
-    *,
-    key: KeyChoice | None = None,
-    cost: CostChoice = 1,
-    legacy_headers: bool = False,
-    denied: DeniedResponse | None = None,
-    missing_identity: MissingIdentity = "client_ip",
-    preflight: Preflight = "exempt",
-    enabled: bool = True,
+    limiter: AsyncLimiter, policy: PolicyChoice, **options: Unpack[EndpointOptions]
 ) -> Callable[..., Awaitable[Decision | None]]:
     """A FastAPI dependency that limits one endpoint (``pip install fastapi``).
 
@@ -331,7 +272,8 @@ def fastapi_dependency(
     "HEAD"])``). Sets the RateLimit headers on the response; a denied request is answered
     exactly as the middleware answers it (429, problem+json, the same headers), through
     :class:`RateLimitExceeded` and its handler. ``policy``, ``key`` and ``cost`` may be
-    callables of the request (sync or async), and the other options are those of
+    callables of the request (sync or async), and the other options (``legacy_headers``,
+    ``denied``, ``missing_identity``, ``preflight``, ``enabled``) are those of
     :class:`RateLimitMiddleware`; ``missing_identity="reject"`` answers its 400. Returns the
     decision, or None for a request that was not charged (``missing_identity="allow"``, an
     exempt CORS preflight, ``enabled=False``, a policy callable returning None).
@@ -339,18 +281,8 @@ def fastapi_dependency(
     from fastapi import Response
     from starlette.requests import Request as StarletteRequest
 
-    if not isinstance(limiter, AsyncLimiter):
-        raise ConfigError("fastapi_dependency needs an AsyncLimiter")
-    if policy is None:
-        raise ConfigError("fastapi_dependency needs a policy, or a callable returning one")
-    limiting = Limiting(
-        rules=[Rule("*", policy, key=key, cost=cost)],
-        legacy_headers=legacy_headers,
-        denied=denied,
-        missing_identity=missing_identity,
-        preflight=preflight,
-        enabled=enabled,
-        asynchronous=True,
+    limiting = endpoint_limiting(
+        "fastapi_dependency", limiter, AsyncLimiter, policy, options, asynchronous=True
     )
 
     async def dependency(request: Any, response: Any) -> Decision | None:

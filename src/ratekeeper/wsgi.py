@@ -16,30 +16,16 @@ charged for a request are in ``environ["ratekeeper"]``, a tuple of Decision.
 from __future__ import annotations
 
 import inspect
-import re
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from ._errors import ConfigError
-from ._http import (
-    STATE_KEY,
-    Admission,
-    CostChoice,
-    DeniedResponse,
-    KeyChoice,
-    LazyHeaders,
-    Limiting,
-    MissingIdentity,
-    PolicyChoice,
-    Preflight,
-    Request,
-    Rule,
-    drive_sync,
-    merge_headers,
-    warn_memory_under_workers,
-)
+from ._http import STATE_KEY, Admission, PolicyChoice, Rule, drive_sync, merge_headers
+from ._http._middleware import EndpointOptions, Middleware, endpoint_limiting
 from ._limiter import Limiter
-from ._policy import Policy
+from ._request import LazyHeaders, Request
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 __all__ = ["RateLimitMiddleware", "Rule", "flask_limit", "request_from_environ"]
 
@@ -73,48 +59,13 @@ def request_from_environ(environ: dict[str, Any]) -> Request:
     )
 
 
-class RateLimitMiddleware:
+class RateLimitMiddleware(Middleware[WSGIApp, Limiter]):
     """Limits every request by the first matching rule and the application policy; see the
     ASGI middleware for the arguments."""
 
-    def __init__(
-        self,
-        app: WSGIApp,
-        *,
-        limiter: Limiter,
-        policy: Policy | None = None,
-        key: KeyChoice | None = None,
-        rules: Iterable[Rule] = (),
-        exempt: Iterable[str | re.Pattern[str]] = (),
-        shadow: bool = False,
-        legacy_headers: bool = False,
-        denied: DeniedResponse | None = None,
-        missing_identity: MissingIdentity = "client_ip",
-        preflight: Preflight = "exempt",
-        application_policy: PolicyChoice = None,
-        application_key: KeyChoice | None = None,
-        enabled: bool = True,
-    ) -> None:
-        if not isinstance(limiter, Limiter):
-            raise ConfigError("the WSGI middleware needs a blocking Limiter")
-        self.app = app
-        self.limiter = limiter
-        self.limiting = Limiting(
-            policy=policy,
-            key=key,
-            rules=rules,
-            exempt=exempt,
-            shadow=shadow,
-            legacy_headers=legacy_headers,
-            denied=denied,
-            missing_identity=missing_identity,
-            preflight=preflight,
-            application_policy=application_policy,
-            application_key=application_key,
-            enabled=enabled,
-        )
-        if enabled:
-            warn_memory_under_workers(limiter, "the WSGI middleware's limiter")
+    kind = "WSGI"
+    drives = Limiter
+    refusal = "the WSGI middleware needs a blocking Limiter"
 
     def __call__(self, environ: dict[str, Any], start_response: StartResponse) -> Iterable[bytes]:
         if not self.limiting.enabled:
@@ -178,16 +129,7 @@ class RateLimitMiddleware:
 
 
 def flask_limit(
-    limiter: Limiter,
-    policy: PolicyChoice,
-    *,
-    key: KeyChoice | None = None,
-    cost: CostChoice = 1,
-    legacy_headers: bool = False,
-    denied: DeniedResponse | None = None,
-    missing_identity: MissingIdentity = "client_ip",
-    preflight: Preflight = "exempt",
-    enabled: bool = True,
+    limiter: Limiter, policy: PolicyChoice, **options: Unpack[EndpointOptions]
 ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """A Flask view decorator that limits one endpoint (``pip install flask``; async views
     need ``flask[async]``).
@@ -199,7 +141,8 @@ def flask_limit(
     Works on sync and ``async def`` views alike. Charges every request the view serves (Flask
     serves HEAD with a GET view). Adds the RateLimit headers to the view's response, or answers
     as the middleware does: 429 with problem+json. ``policy``, ``key`` and ``cost`` may be
-    plain functions of the request view; the other options are those of the middleware
+    plain functions of the request view; the other options (``legacy_headers``, ``denied``,
+    ``missing_identity``, ``preflight``, ``enabled``) are those of the middleware
     (``missing_identity="reject"`` answers 400 with problem+json). The decisions charged are
     in ``flask.request.environ["ratekeeper"]``.
     """
@@ -207,17 +150,8 @@ def flask_limit(
 
     import flask
 
-    if not isinstance(limiter, Limiter):
-        raise ConfigError("flask_limit needs a blocking Limiter")
-    if policy is None:
-        raise ConfigError("flask_limit needs a policy, or a callable returning one")
-    limiting = Limiting(
-        rules=[Rule("*", policy, key=key, cost=cost)],
-        legacy_headers=legacy_headers,
-        denied=denied,
-        missing_identity=missing_identity,
-        preflight=preflight,
-        enabled=enabled,
+    limiting = endpoint_limiting(
+        "flask_limit", limiter, Limiter, policy, options, asynchronous=False
     )
 
     def admit() -> Admission | None:

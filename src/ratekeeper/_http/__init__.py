@@ -20,8 +20,9 @@ A request is handled in two steps:
 
 Its rooms: ``_base`` (the vocabulary: choices, constants), ``_rules`` (which requests a policy
 applies to), ``_render`` (headers and 429 bodies), ``_limiting`` (the decision for a request,
-no I/O), ``_drivers`` (running it, blocking or asyncio) and ``_workers`` (``memory://`` under
-several workers). The request view is ``ratekeeper._request``.
+no I/O), ``_drivers`` (running it, blocking or asyncio), ``_middleware`` (what the ASGI and WSGI
+middlewares share) and ``_workers`` (``memory://`` under several workers). The request view
+is ``ratekeeper._request``.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from ._base import (
 )
 from ._drivers import drive_async, drive_blocking, drive_sync
 from ._limiting import Admission, Charge, Limiting, Steps, StoreCall
+from ._middleware import EndpointOptions, Middleware, MiddlewareOptions, endpoint_limiting
 from ._render import (
     headers_for,
     merge_headers,
@@ -58,10 +60,13 @@ __all__ = [
     "CostChoice",
     "DeductWhen",
     "DeniedResponse",
+    "EndpointOptions",
     "KeyChoice",
     "KeyFunc",
     "LazyHeaders",
     "Limiting",
+    "Middleware",
+    "MiddlewareOptions",
     "MissingIdentity",
     "PolicyChoice",
     "Preflight",
@@ -74,6 +79,7 @@ __all__ = [
     "drive_async",
     "drive_blocking",
     "drive_sync",
+    "endpoint_limiting",
     "headers_for",
     "is_preflight",
     "make_rules",

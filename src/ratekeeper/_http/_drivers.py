@@ -1,84 +1,77 @@
-"""Drivers of :meth:`Limiting.admit` and :meth:`Limiting.settle`: blocking, and asyncio."""
+"""Drivers of :meth:`Limiting.admit` and :meth:`Limiting.settle`: blocking, and asyncio.
+
+One loop (``_drive``) moves the steps: a :class:`StoreCall` is answered by the limiter (its
+deny cache, ``peek`` or ``hit``), anything else is a user's awaitable and is awaited. The
+blocking driver runs that loop without an event loop: it may not suspend.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
-from .._decision import Decision
 from ._limiting import Steps, StoreCall
 
 if TYPE_CHECKING:
     from .._limiter import AsyncLimiter, Limiter
 
+__all__ = ["drive_async", "drive_blocking", "drive_sync"]
 
-# --- drivers ------------------------------------------------------------------------------------
-
-
-def _cached(limiter: Limiter | AsyncLimiter, call: StoreCall) -> Decision | None:
-    """A denial of ``call`` in the limiter's local deny cache, or None: no store call."""
-    guard = limiter._guard
-    if not guard.caches(call.policy):
-        return None
-    key = limiter._core.first_key(call.policy, call.identity)
-    if call.cost == 1:
-        return guard.cached(key)
-    deny = guard._deny
-    return None if deny is None else deny.lookup(key, call.cost)
+_Answer = Callable[[StoreCall], Awaitable[Any]]
 
 
-def _call_blocking(limiter: Limiter, step: StoreCall) -> Any:
-    """One store call of ``admit`` or ``settle`` on a blocking limiter."""
-    if step.cached:
-        return _cached(limiter, step)
-    if step.peek:
-        return limiter.peek(step.policy, step.identity, step.cost)
-    return limiter.hit(step.policy, step.identity, step.cost)
-
-
-def drive_sync(steps: Steps, limiter: Limiter) -> Any:
-    """Run ``admit`` or ``settle`` on a blocking limiter; their result."""
+async def _drive(steps: Steps, answer: _Answer) -> Any:
     reply: Any = None
     while True:
         try:
             step = steps.send(reply)
         except StopIteration as done:
             return done.value
-        if type(step) is not StoreCall:
-            raise TypeError(f"a sync driver cannot await {step!r}")
-        reply = _call_blocking(limiter, step)
+        reply = await (answer(step) if isinstance(step, StoreCall) else step)
+
+
+def _blocking(limiter: Limiter) -> _Answer:
+    async def answer(step: StoreCall) -> Any:
+        if step.cached:
+            return limiter.cached(step.policy, step.identity, step.cost)
+        if step.peek:
+            return limiter.peek(step.policy, step.identity, step.cost)
+        return limiter.hit(step.policy, step.identity, step.cost)
+
+    return answer
+
+
+def _asyncio(limiter: AsyncLimiter) -> _Answer:
+    async def answer(step: StoreCall) -> Any:
+        if step.cached:
+            return limiter.cached(step.policy, step.identity, step.cost)
+        if step.peek:
+            return await limiter.peek(step.policy, step.identity, step.cost)
+        return await limiter.hit(step.policy, step.identity, step.cost)
+
+    return answer
+
+
+def drive_sync(steps: Steps, limiter: Limiter) -> Any:
+    """Run ``admit`` or ``settle`` on a blocking limiter; their result. A step that would
+    suspend (an awaitable a sync callable returned) is a TypeError."""
+    running = _drive(steps, _blocking(limiter))
+    try:
+        suspended = running.send(None)
+    except StopIteration as done:
+        return done.value
+    running.close()
+    raise TypeError(f"a sync driver cannot await (it was asked to wait for {suspended!r})")
 
 
 async def drive_blocking(steps: Steps, limiter: Limiter) -> Any:
     """Run ``admit`` or ``settle`` with a blocking limiter's store calls, awaiting async
     callables: for an async view on an event loop that lives for one request (Django under
     WSGI), where an asyncio connection would outlive its loop."""
-    reply: Any = None
-    while True:
-        try:
-            step = steps.send(reply)
-        except StopIteration as done:
-            return done.value
-        if type(step) is StoreCall:
-            reply = _call_blocking(limiter, step)
-        else:
-            reply = await step  # type: ignore[misc]
+    return await _drive(steps, _blocking(limiter))
 
 
 async def drive_async(steps: Steps, limiter: AsyncLimiter) -> Any:
     """Run ``admit`` or ``settle`` on an asyncio limiter, awaiting async callables; their
     result."""
-    reply: Any = None
-    while True:
-        try:
-            step = steps.send(reply)
-        except StopIteration as done:
-            return done.value
-        if type(step) is StoreCall:
-            if step.cached:
-                reply = _cached(limiter, step)
-            elif step.peek:
-                reply = await limiter.peek(step.policy, step.identity, step.cost)
-            else:
-                reply = await limiter.hit(step.policy, step.identity, step.cost)
-        else:
-            reply = await step  # type: ignore[misc]
+    return await _drive(steps, _asyncio(limiter))

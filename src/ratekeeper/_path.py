@@ -1,0 +1,169 @@
+"""The decision path, written once and without I/O: deny cache, breaker, store call, decide,
+heartbeat, metrics.
+
+Each method returns the steps of one operation: a generator that yields what the store must do
+and returns the result (or, for ``hit``, a cached denial at once: no step at all). A driver runs
+the steps on its storage and sends each outcome back (the reply, or the StorageError or
+RequestRejected raised) until the generator returns. ``Limiter`` and ``AsyncLimiter`` are the
+two drivers; nothing but moving outcomes lives in them, so the blocking and asyncio limiters
+cannot decide apart.
+
+The steps:
+
+* a ``Call`` (or a fleet heartbeat's ``Run``): run ``script`` on ``keys`` with ``args``; the
+  reply is sent back, or the StorageError or RequestRejected the storage raised (a store
+  fault is an outcome the path decides on; anything else the storage raises is a bug, and
+  reaches the caller through the driver);
+* a ``Later``: steps of their own that the caller's result does not wait for (a fleet
+  heartbeat, after the decision is made). The blocking driver runs them in place, the asyncio
+  driver in a task; nothing is sent back.
+
+One call's path::
+
+    breaker of the key's node -> cached denial or open breaker answers?    (no store call)
+    -> the store call -> its outcome to the breaker and the metrics -> the decision
+    -> a fleet heartbeat if one is due -> the decision
+"""
+
+from __future__ import annotations
+
+from collections.abc import Generator
+from time import perf_counter
+from typing import Any, NamedTuple
+
+from ._breaker import CircuitBreaker
+from ._core import Call, Core
+from ._decision import Decision
+from ._errors import RequestRejected, StorageError
+from ._fleet import Fleet
+from ._guard import Guard
+from ._keys import Identity
+from ._policy import Policy
+from ._scripts import Script
+
+__all__ = ["Later", "Path", "Run", "Steps"]
+
+#: What a storage raises that the path decides on: a store fault, or a refused request.
+_FAULTS = (StorageError, RequestRejected)
+
+
+class Run(NamedTuple):
+    """A store call that decides nothing (a fleet heartbeat)."""
+
+    script: Script
+    keys: tuple[str, ...]
+    args: tuple[int | str, ...]
+
+
+class Later:
+    """Steps the caller's result does not wait for: run in place (blocking) or in a task."""
+
+    __slots__ = ("fleet", "steps")
+
+    def __init__(self, steps: Steps, fleet: Fleet) -> None:
+        self.steps = steps
+        self.fleet = fleet  # tracks the asyncio driver's task (``Fleet.settle``)
+
+
+#: The steps of one operation: yields ``Call``, ``Run`` or ``Later``, is sent store replies.
+Steps = Generator["Call | Run | Later", Any, Any]
+
+
+class Path:
+    """Builds the steps of every limiter operation from the core (calls, replies) and the
+    guard (cache, breakers, failure modes, metrics)."""
+
+    __slots__ = ("core", "guard")
+
+    def __init__(self, core: Core, guard: Guard) -> None:
+        self.core = core
+        self.guard = guard
+
+    def hit(self, policy: Policy, identity: Identity, cost: int) -> Decision | Steps:
+        """A cached denial, or the steps of a hit."""
+        core = self.core
+        guard = self.guard
+        if (
+            cost == 1
+            and type(cost) is int
+            and type(policy) is Policy
+            and policy.algorithm in guard.cacheable
+        ):
+            keys = core.keys_of(policy, identity)
+            cached = guard.cached(keys[0])
+            if cached is not None:  # a flood on a denied key: no call is even built
+                return cached
+            return self.decide(core.hit(policy, identity, 1, keys), True)  # keys built once
+        return self.decide(core.hit(policy, identity, cost))
+
+    def peek(self, policy: Policy, identity: Identity, cost: int) -> Steps:
+        return self.decide(self.core.peek(policy, identity, cost))
+
+    def acquire(self, policy: Policy, identity: Identity, cost: int) -> Call:
+        """The call that takes a lease (checked now): ``decide`` it, and give it to
+        ``release`` later."""
+        return self.core.acquire(policy, identity, cost)
+
+    def release(self, acquired: Call, identity: Identity) -> Steps:
+        """The steps of giving back the lease ``acquired`` took (``allowed``: it was still
+        held)."""
+        return self.decide(self.core.release(acquired, identity))
+
+    def cached(self, policy: Policy, identity: Identity, cost: int) -> Decision | None:
+        """The denial the deny cache holds for a hit of ``cost``, or None (nothing asked)."""
+        guard = self.guard
+        if not guard.caches(policy):
+            return None
+        return guard.cached(self.core.first_key(policy, identity), cost)
+
+    def reset(self, policy: Policy, identity: Identity) -> tuple[str, ...]:
+        """The keys to delete, with every local trace of them forgotten first."""
+        keys = self.core.reset_keys(policy, identity)
+        self.guard.forget(keys)
+        return keys
+
+    def decide(self, call: Call, cache_asked: bool = False) -> Steps:
+        """The steps of one decision (``cache_asked``: the deny cache was asked already)."""
+        guard = self.guard
+        breaker = guard.breaker if guard.one_breaker else guard.breaker_of(call.keys[0])
+        if not (cache_asked and breaker.closed):  # else nothing answers but the store
+            early = guard.before(call, breaker, cache_asked)
+            if early is not None:
+                return early
+        started = perf_counter()
+        reply = yield call
+        if isinstance(reply, _FAULTS):
+            if isinstance(reply, RequestRejected):
+                guard.rejected(started, breaker)
+                raise reply
+            return guard.failed(call, reply, started, breaker)
+        decision = guard.succeeded(call, reply, started, breaker)
+        fleet = guard.fleet
+        if fleet is not None:  # local_share="auto": a heartbeat when one is due
+            beat = self._beat(fleet)
+            if beat is not None:
+                yield Later(beat, fleet)
+        return decision
+
+    def _beat(self, fleet: Fleet) -> Steps | None:
+        """The steps of a fleet heartbeat, if one is due and the breaker of its node is
+        closed (a heartbeat is never a half-open probe)."""
+        guard = self.guard
+        breaker = guard.breaker_of(fleet.key)
+        if not guard.beat_allowed(breaker):
+            return None
+        due = fleet.due()
+        if due is None:
+            return None
+        return self._beating(fleet, Run(*due), breaker)
+
+    def _beating(self, fleet: Fleet, run: Run, breaker: CircuitBreaker) -> Steps:
+        guard = self.guard
+        started = perf_counter()
+        reply = yield run
+        if isinstance(reply, _FAULTS):  # told, never raised
+            guard.beat_failed(reply, started, breaker)
+            fleet.beaten(None)
+        else:
+            guard.beat_succeeded(started, breaker)
+            fleet.beaten(reply)
