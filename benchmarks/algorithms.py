@@ -16,7 +16,7 @@ loopback port (never 6379):
   ``limits``' ``hit``), then ``INFO commandstats``: the server time of the top-level commands
   (here only ``EVALSHA``) divided by the decisions. Commands a script runs inside are listed too;
   their time is already inside ``EVALSHA``'s. Repeated for ``--rounds`` rounds in rotating order;
-  the median is reported.
+  the median is reported. Measured as ``script_cost.py`` measures it (``_server_cost.py``).
 
 Fills use a ``ManualClock`` (client time) so that a window can roll without waiting, and send the
 exact script calls ``Limiter.hit`` would send, pipelined. Cost runs use the default server clock
@@ -42,9 +42,10 @@ from typing import Any
 import _harness as harness
 import limits
 import limits.storage
-import limits.strategies
 import redis
 import redis.utils
+from _peers import STRATEGIES, Strategy
+from _server_cost import Case, Cost, limiter_case, limits_case, measure
 from rich.console import Console
 
 from ratekeeper import Limiter, ManualClock, Policy
@@ -61,11 +62,6 @@ LIMITS = (10, 10_000, 1_000_000)
 HOUR = 3600.0
 PIPELINE_BATCH = 500
 ALL_SCRIPTS = sorted({algorithm.script for algorithm in ALGORITHMS.values()})
-LIMITS_STRATEGIES: dict[str, Callable[[Any], Any]] = {
-    "MovingWindow": limits.strategies.MovingWindowRateLimiter,
-    "FixedWindow": limits.strategies.FixedWindowRateLimiter,
-    "SlidingWindowCounter": limits.strategies.SlidingWindowCounterRateLimiter,
-}
 
 #: Epoch-aligned to the hour (and day) so fills start mid-window on purpose, not by accident.
 BASE_TIME = float(int(time.time()) // 86_400 * 86_400)
@@ -277,17 +273,18 @@ def limits_memory_rows(
     a list entry is the same timestamp string whether or not the timestamps differ, so this is
     the size that `limit` separate hits leave."""
     rows = []
-    for name, factory in LIMITS_STRATEGIES.items():
+    for peer in STRATEGIES:
+        name = peer.name
         storage = limits.storage.RedisStorage(
             f"redis://127.0.0.1:{server.port}", client_name=FILL_CLIENT
         )
-        strategy = factory(storage)
+        strategy = peer.sync(storage)
         bench.fill_clients.append(storage.get_connection())
         for limit in (10, 10_000):
             identities = few if limit > 100 else many
             item = limits.parse(f"{limit}/hour")
-            first = limit if name == "MovingWindow" else max(1, limit // 2)
-            costs = (first,) if name == "MovingWindow" else (first, 1, 1, 1)
+            first = limit if peer.log else max(1, limit // 2)
+            costs = (first,) if peer.log else (first, 1, 1, 1)
 
             def fill(
                 ids: list[str], s: Any = strategy, it: Any = item, cs: Any = costs
@@ -400,33 +397,14 @@ def memory_section(
 # Server cost per decision.
 
 
-@dataclass
+@dataclass(frozen=True)
 class CostCase:
-    name: str
+    """A case of ``_server_cost`` and what the results say of it."""
+
+    case: Case
     library: str
     algorithm: str
     spec: str
-    #: (decisions, identities) -> (decisions made, admitted); the server is already reset.
-    run: Callable[[int, list[str]], tuple[int, int]]
-    close: Callable[[], None] = lambda: None
-    #: Called after each FLUSHALL: a fresh client, so no process-local state (ratekeeper's deny
-    #: cache) outlives the server state it was derived from.
-    fresh: Callable[[], None] = lambda: None
-
-
-class _Fresh:
-    """A ratekeeper limiter that ``renew()`` replaces with a new one."""
-
-    def __init__(self, url: str, options: dict[str, Any]) -> None:
-        self.url, self.options = url, options
-        self.limiter = Limiter.from_url(url, **options)
-
-    def renew(self) -> None:
-        self.limiter.close()
-        self.limiter = Limiter.from_url(self.url, **self.options)
-
-    def close(self) -> None:
-        self.limiter.close()
 
 
 # Every decision goes to the store (harness.store_only: no local deny cache, so each decision is
@@ -435,60 +413,20 @@ class _Fresh:
 
 def ratekeeper_case(url: str, algorithm: str, spec: str, *, deny_cache: bool = False) -> CostCase:
     name = f"{algorithm} {spec}" + (" (deny cache on)" if deny_cache else "")
-    holder = _Fresh(url, harness.store_only(deny_cache=deny_cache))
-    policy = Policy("api", spec, algorithm)
-
-    def run(n: int, identities: list[str]) -> tuple[int, int]:
-        hit, k, admitted = holder.limiter.hit, len(identities), 0
-        for i in range(n):
-            admitted += hit(policy, identities[i % k]).allowed
-        return n, admitted
-
-    return CostCase(name, "ratekeeper", algorithm, spec, run, holder.close, holder.renew)
+    case = limiter_case(url, Policy("api", spec, algorithm), name, deny_cache=deny_cache)
+    return CostCase(case, "ratekeeper", algorithm, spec)
 
 
 def concurrency_case(url: str, spec: str) -> CostCase:
     """acquire then release: one decision, two EVALSHA."""
-    holder = _Fresh(url, harness.store_only())
-    policy = Policy("jobs", spec, "concurrency")
+    name = f"concurrency {spec} (acquire+release)"
+    case = limiter_case(url, Policy("jobs", spec, "concurrency"), name)
+    return CostCase(case, "ratekeeper", "concurrency", spec)
 
-    def run(n: int, identities: list[str]) -> tuple[int, int]:
-        limiter, k, admitted = holder.limiter, len(identities), 0
-        for i in range(n):
-            lease = limiter.acquire(policy, identities[i % k])
-            admitted += lease.allowed
-            lease.release()
-        return n, admitted
 
+def peer_case(url: str, peer: Strategy, spec: str) -> CostCase:
     return CostCase(
-        f"concurrency {spec} (acquire+release)",
-        "ratekeeper",
-        "concurrency",
-        spec,
-        run,
-        holder.close,
-        holder.renew,
-    )
-
-
-def limits_case(port: int, name: str, spec: str) -> CostCase:
-    storage = limits.storage.RedisStorage(f"redis://127.0.0.1:{port}")
-    strategy = LIMITS_STRATEGIES[name](storage)
-    item = limits.parse(spec)
-
-    def run(n: int, identities: list[str]) -> tuple[int, int]:
-        hit, k, admitted = strategy.hit, len(identities), 0
-        for i in range(n):
-            admitted += bool(hit(item, identities[i % k]))
-        return n, admitted
-
-    return CostCase(
-        f"limits {name} {spec}",
-        "limits",
-        f"limits {name}",
-        spec,
-        run,
-        lambda: storage.get_connection().close(),
+        limits_case(url, peer, spec, f"{peer.label} {spec}"), "limits", peer.label, spec
     )
 
 
@@ -502,38 +440,28 @@ def cost_cases(server: harness.Server) -> list[CostCase]:
     ]
     cases.append(concurrency_case(server.url, "100 per 30 seconds"))
     for spec in ("100/minute", "10/minute"):
-        cases += [limits_case(server.port, name, spec) for name in LIMITS_STRATEGIES]
+        cases += [peer_case(server.url, peer, spec) for peer in STRATEGIES]
     return cases
 
 
-def run_cost_case(
-    client: redis.Redis, case: CostCase, decisions: int, identities: list[str]
-) -> dict[str, Any]:
-    flushall(client)
-    case.fresh()
-    # Warm up on another identity: loads the script (NOSCRIPT, SCRIPT LOAD) before the stats.
-    case.run(1, ["warm-up"])
-    client.config_resetstat()
-    cpu_before = harness.server_cpu(client)
-    start = time.perf_counter()
-    made, admitted = case.run(decisions, identities)
-    elapsed = time.perf_counter() - start
-    cpu = harness.server_cpu(client) - cpu_before
-    commands = harness.commandstats(client)
-    for fields in commands.values():
-        fields["usec_per_call"] = fields["usec"] / fields["calls"] if fields["calls"] else 0.0
-    top_usec, top_calls = harness.server_time(commands)
+def cost_sample(cost: Cost) -> dict[str, Any]:
+    """One run, as the results keep it."""
+    commands = {
+        name: {
+            **fields,
+            "usec_per_call": fields["usec"] / fields["calls"] if fields["calls"] else 0.0,
+        }
+        for name, fields in cost.commands.items()
+    }
     return {
-        "decisions": made,
-        "admitted": admitted,
-        "top_level_calls": top_calls,
-        "server_usec_per_decision": top_usec / made,
-        "server_usec_per_call": top_usec / top_calls if top_calls else None,
-        "failed_calls": sum(
-            c.get("failed_calls", 0.0) + c.get("rejected_calls", 0.0) for c in commands.values()
-        ),
-        "client_usec_per_decision": elapsed / made * 1e6,
-        "server_cpu_usec_per_decision": cpu / made * 1e6,
+        "decisions": cost.decisions,
+        "admitted": cost.admitted,
+        "top_level_calls": cost.script_calls,
+        "server_usec_per_decision": cost.per_decision,
+        "server_usec_per_call": cost.per_call,
+        "failed_calls": cost.failed_calls,
+        "client_usec_per_decision": cost.client_per_decision,
+        "server_cpu_usec_per_decision": cost.cpu_per_decision,
         "commands": commands,
     }
 
@@ -543,18 +471,19 @@ def cost_section(
 ) -> list[dict[str, Any]]:
     client = server.client()
     identities = [f"user-{i:06d}" for i in range(args.cost_identities)]
-    cases = cost_cases(server)
+    costs = cost_cases(server)
+    cases = [cost.case for cost in costs]
     runs: dict[str, list[dict[str, Any]]] = {case.name: [] for case in cases}
     for r, order in harness.rotations(cases, args.rounds):
         for case in order:
-            runs[case.name].append(run_cost_case(client, case, args.decisions, identities))
+            runs[case.name].append(cost_sample(measure(client, case, args.decisions, identities)))
         shown = ", ".join(
             f"{c.name} {runs[c.name][-1]['server_usec_per_decision']:.1f}" for c in cases[:4]
         )
         console.print(f"  cost round {r + 1}/{args.rounds} (server us/decision): {shown}, ...")
     out = []
-    for case in cases:
-        samples = runs[case.name]
+    for cost in costs:
+        samples = runs[cost.case.name]
         per_decision = [s["server_usec_per_decision"] for s in samples]
         nested: dict[str, dict[str, float]] = {}
         total_decisions = sum(s["decisions"] for s in samples)
@@ -567,10 +496,10 @@ def cost_section(
             }
         out.append(
             {
-                "case": case.name,
-                "library": case.library,
-                "algorithm": case.algorithm,
-                "policy": case.spec,
+                "case": cost.case.name,
+                "library": cost.library,
+                "algorithm": cost.algorithm,
+                "policy": cost.spec,
                 "decisions_per_round": args.decisions,
                 "identities": args.cost_identities,
                 "rounds": args.rounds,

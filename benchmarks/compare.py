@@ -62,9 +62,7 @@ from typing import Any
 
 import limits
 import limits.aio.storage
-import limits.aio.strategies
 import limits.storage
-import limits.strategies
 import pyrate_limiter
 import redis
 import redis.asyncio
@@ -93,6 +91,7 @@ from _harness import (
     summarize,
     sync_loop,
 )
+from _peers import FIXED_WINDOW, MOVING_WINDOW, PEERS, SLIDING_WINDOW_COUNTER, STRATEGIES, Strategy
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -115,20 +114,8 @@ COUNTER_RATE = "1000000/minute"
 DENY_RATE = "10/minute"
 POLICY_NAME = "bench"
 ALGORITHMS = ("sliding_log", "sliding_window", "fixed_window", "gcra")
-#: limits' strategy per case suffix, with the rate it runs under.
-LIMITS_STRATEGIES: dict[str, tuple[str, str]] = {
-    "moving_window": ("MovingWindowRateLimiter", LOG_RATE),
-    "fixed_window": ("FixedWindowRateLimiter", COUNTER_RATE),
-    "sliding_window_counter": ("SlidingWindowCounterRateLimiter", COUNTER_RATE),
-}
-#: ratekeeper algorithm -> limits' nearest strategy (gcra has none: FixedWindow, the cheapest),
-#: and the most server time per decision it may take against it.
-PEERS = {
-    "sliding_log": ("moving_window", 1.0),
-    "sliding_window": ("sliding_window_counter", 1.25),
-    "fixed_window": ("fixed_window", 1.25),
-    "gcra": ("fixed_window", 1.25),
-}
+#: The most server time per decision each algorithm may take against its peer (``_peers.PEERS``).
+MOST_SERVER_TIME = {"sliding_log": 1.0, "sliding_window": 1.25, "fixed_window": 1.25, "gcra": 1.25}
 PIPELINE = 64
 #: (clients, pipeline) of the two redis-benchmark runs: one caller's floor, the server's ceiling.
 FLOOR = (1, 1)
@@ -247,15 +234,14 @@ class Builder:
             lambda: self._await(alimiter.close()),
         )
 
-    def limits(self, strategy: str, concurrent: bool) -> Case:
-        class_name, rate = LIMITS_STRATEGIES[strategy]
-        item = limits.parse(rate)
+    def limits(self, strategy: Strategy, concurrent: bool) -> Case:
+        item = limits.parse(LOG_RATE if strategy.log else COUNTER_RATE)
         if not concurrent:
             pool = redis.ConnectionPool.from_url(self.url)
             storage = limits.storage.RedisStorage(self.url, connection_pool=pool)
-            limiter = getattr(limits.strategies, class_name)(storage)
+            limiter = strategy.sync(storage)
             return Case(
-                f"limits/sync/{strategy}",
+                f"limits/sync/{strategy.case}",
                 "limits",
                 sync_loop(partial(limiter.hit, item), self.identities),
                 pool.disconnect,
@@ -266,11 +252,11 @@ class Builder:
             astorage = limits.aio.storage.RedisStorage(
                 "async+" + self.url, implementation="redispy", connection_pool=apool
             )
-            return getattr(limits.aio.strategies, class_name)(astorage), apool
+            return strategy.aio(astorage), apool
 
         alimiter, apool = self._await(make())
         return Case(
-            f"limits/async{self.args.tasks}/{strategy}",
+            f"limits/async{self.args.tasks}/{strategy.case}",
             "limits",
             async_loop(self.loop, partial(alimiter.hit, item), self.identities, self.args.tasks),
             lambda: self._await(apool.aclose()),
@@ -497,22 +483,22 @@ class Builder:
         cases = [
             sync("sliding_log"),
             *floors[FLOOR],
-            self.limits("moving_window", concurrent=False),
+            self.limits(MOVING_WINDOW, concurrent=False),
             self.raw_sync(),
             self.pyrate(),
             sync("sliding_window"),
-            self.limits("sliding_window_counter", concurrent=False),
+            self.limits(SLIDING_WINDOW_COUNTER, concurrent=False),
             sync("fixed_window"),
-            self.limits("fixed_window", concurrent=False),
+            self.limits(FIXED_WINDOW, concurrent=False),
             sync("gcra"),
             self.ratekeeper("sliding_log", concurrent),
             *floors[CEILING],
-            self.limits("moving_window", concurrent),
+            self.limits(MOVING_WINDOW, concurrent),
             self.raw_pipelined(),
             self.ratekeeper("sliding_window", concurrent),
-            self.limits("sliding_window_counter", concurrent),
+            self.limits(SLIDING_WINDOW_COUNTER, concurrent),
             self.ratekeeper("fixed_window", concurrent),
-            self.limits("fixed_window", concurrent),
+            self.limits(FIXED_WINDOW, concurrent),
             self.ratekeeper("gcra", concurrent),
             self.deny_cache(on=True),
             self.deny_cache(on=False),
@@ -623,7 +609,8 @@ def goals(tasks: int) -> list[Goal]:
         Goal("sync sliding_log / PyrateLimiter RedisBucket sync", sync_log,
              "pyrate/sync/sliding_log", "rate", None),
     ]  # fmt: skip
-    for algorithm, (peer, most) in PEERS.items():
+    for algorithm, most in MOST_SERVER_TIME.items():
+        peer = PEERS[algorithm].case
         out.append(
             Goal(
                 f"server us/decision: {algorithm} / limits {peer}",
@@ -1008,7 +995,7 @@ def main(argv: list[str] | None = None) -> int:
     out = console()
     binary = find_binary()
     bench_path = find_benchmark()
-    n_cases = 2 * len(ALGORITHMS) + 2 * len(LIMITS_STRATEGIES) + 7
+    n_cases = 2 * len(ALGORITHMS) + 2 * len(STRATEGIES) + 7
     # Each run also flushes the store and reads its statistics: about 0.3 s on this machine.
     expected = n_cases * (args.rounds * (args.seconds + 0.3) + args.warmup) + 15
     out.print(

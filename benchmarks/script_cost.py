@@ -1,10 +1,10 @@
 """Server time per decision of each ratekeeper script, next to its nearest ``limits`` peer.
 
 On a private server on a free loopback port (never 6379), every case runs once per round on an
-empty store: ``FLUSHALL``, a warm-up call (which loads the script), ``CONFIG RESETSTAT``,
-``--hits`` decisions round-robin over ``--identities`` identities, then ``INFO commandstats``
-and ``INFO cpu``. The case order rotates between rounds. Reported per case, as the median over
-``--rounds`` rounds:
+empty store (``_server_cost.measure``): ``FLUSHALL``, a warm-up call (which loads the script),
+``CONFIG RESETSTAT``, ``--hits`` decisions round-robin over ``--identities`` identities, then
+``INFO commandstats`` and ``INFO cpu``. The case order rotates between rounds. Reported per
+case, as the median over ``--rounds`` rounds:
 
 * ``us/call``: ``usec`` over ``calls`` of the commands a client sends (``EVALSHA``: one per
   hit for both libraries; ratekeeper's concurrency sends an acquire and a release);
@@ -43,60 +43,30 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from hashlib import sha1
 from pathlib import Path
 from typing import Any
 
 import limits
 import limits.storage
-import limits.strategies
 import redis
-from _harness import (
-    TOP_LEVEL,
-    Server,
-    commandstats,
-    console,
-    find_binary,
-    print_table,
-    rotations,
-    server_cpu,
-    server_time,
-    store_only,
-)
+from _harness import Server, console, find_binary, print_table, rotations, store_only
+from _peers import FIXED_WINDOW, MOVING_WINDOW, PEERS, Strategy
+from _server_cost import Case, Cost, limiter_case, limits_case, measure
 from rich.console import Console
 
-from ratekeeper import Limiter, Policy
+from ratekeeper import Decision, Limiter, Policy
 from ratekeeper._core import Call, Core
 from ratekeeper._scripts import Script, load_script
 
 ALGORITHMS = ("sliding_log", "sliding_window", "fixed_window", "gcra", "concurrency")
-PEERS = {
-    "sliding_log": "limits MovingWindow",
-    "sliding_window": "limits SlidingWindowCounter",
-    "fixed_window": "limits FixedWindow",
-    "gcra": "limits FixedWindow",
-}
-LIMITS_STRATEGIES: dict[str, Callable[[Any], Any]] = {
-    "MovingWindow": limits.strategies.MovingWindowRateLimiter,
-    "FixedWindow": limits.strategies.FixedWindowRateLimiter,
-    "SlidingWindowCounter": limits.strategies.SlidingWindowCounterRateLimiter,
-}
 #: Calls per pipeline in the default mode.
 BATCH = 200
 
 #: Queues one decision's commands on a pipeline and returns, per command queued, how to tell
 #: from its reply whether the decision admitted (None: the reply does not say).
 Adder = Callable[[Any, str], list[Callable[[Any], bool] | None]]
-
-
-@dataclass
-class Case:
-    name: str
-    #: (hits, identities) -> decisions admitted; the store is empty and the stats reset.
-    run: Callable[[int, list[str]], int]
-    close: Callable[[], None]
-    samples: list[dict[str, Any]] = field(default_factory=list)
 
 
 def pipelined(client: Any, add: Adder) -> Callable[[int, list[str]], int]:
@@ -131,9 +101,11 @@ def ratekeeper_case(
 ) -> Case:
     """``Limiter.hit`` (``acquire`` + ``release`` for concurrency), optionally with the calls'
     script replaced by ``script``."""
-    limiter = Limiter.from_url(url, **store_only())
     policy = Policy("api", spec, algorithm)
     name = algorithm if script is None else f"{algorithm} (baseline)"
+    if api and script is None:
+        return limiter_case(url, policy, name)
+    limiter = Limiter.from_url(url, **store_only())
     core = limiter._core
 
     def calls(identity: str) -> list[Call]:
@@ -145,30 +117,15 @@ def ratekeeper_case(
             made = [core.hit(policy, identity, 1)]
         return made if script is None else [replace(call, script=script) for call in made]
 
-    if api and script is None and algorithm == "concurrency":
-
-        def run(n: int, identities: list[str]) -> int:
-            acquire, k, admitted = limiter.acquire, len(identities), 0
-            for i in range(n):
-                lease = acquire(policy, identities[i % k])
-                admitted += lease.allowed
-                lease.release()
-            return admitted
-
-        return Case(name, run, limiter.close)
-    if api and script is None:
-
-        def run(n: int, identities: list[str]) -> int:
-            hit, k, admitted = limiter.hit, len(identities), 0
-            for i in range(n):
-                admitted += hit(policy, identities[i % k]).allowed
-            return admitted
-
-        return Case(name, run, limiter.close)
     if api:  # the same calls through the limiter's own path, with the baseline script
 
         def run(n: int, identities: list[str]) -> int:
-            decide, k, admitted = limiter._run, len(identities), 0
+            drive, path = limiter._drive, limiter._path
+            k, admitted = len(identities), 0
+
+            def decide(call: Call) -> Decision:
+                return drive(path.decide(call))  # type: ignore[no-any-return]
+
             for i in range(n):
                 first, *rest = calls(identities[i % k])
                 admitted += decide(first).allowed
@@ -195,33 +152,23 @@ def ratekeeper_case(
     return Case(name, pipelined(client, add), close)
 
 
-def limits_case(port: int, name: str, spec: str, *, api: bool) -> Case:
-    """``limits``' ``hit`` with the strategy ``name``."""
-    storage = limits.storage.RedisStorage(f"redis://127.0.0.1:{port}")
-    strategy = LIMITS_STRATEGIES[name](storage)
-    item = limits.parse(spec)
-    close = storage.get_connection().close
+def limits_peer_case(url: str, strategy: Strategy, spec: str, *, api: bool) -> Case:
+    """``limits``' ``hit`` with ``strategy``."""
     if api:
-
-        def run(n: int, identities: list[str]) -> int:
-            hit, k, admitted = strategy.hit, len(identities), 0
-            for i in range(n):
-                admitted += bool(hit(item, identities[i % k]))
-            return admitted
-
-        return Case(f"limits {name}", run, close)
-
+        return limits_case(url, strategy, spec, strategy.label)
+    storage = limits.storage.RedisStorage(url)
+    item = limits.parse(spec)
     expiry = item.get_expiry()
 
     def add(pipe: Any, identity: str) -> list[Callable[[Any], bool] | None]:
         # The script calls of limits' RedisStorage.acquire_entry, incr and
         # acquire_sliding_window_entry, with the keys and ARGV they build.
         key = item.key_for(identity)
-        if name == "MovingWindow":
+        if strategy is MOVING_WINDOW:
             argv = [time.time(), item.amount, expiry, 1]
             storage.lua_acquire_moving_window([storage.prefixed_key(key)], argv, client=pipe)
             return [bool]
-        if name == "FixedWindow":
+        if strategy is FIXED_WINDOW:
             storage.lua_incr_expire([storage.prefixed_key(key)], [expiry, 1], client=pipe)
             return [lambda reply: int(reply) <= item.amount]
         keys = [
@@ -231,25 +178,8 @@ def limits_case(port: int, name: str, spec: str, *, api: bool) -> Case:
         storage.lua_acquire_sliding_window(keys, [item.amount, expiry, 1], client=pipe)
         return [bool]
 
-    return Case(f"limits {name}", pipelined(storage.get_connection(), add), close)
-
-
-def measure(admin: redis.Redis, case: Case, hits: int, identities: list[str]) -> dict[str, Any]:
-    admin.execute_command("FLUSHALL", "SYNC")
-    case.run(1, ["warm-up"])  # loads the script (NOSCRIPT, SCRIPT LOAD) before the stats
-    admin.config_resetstat()
-    cpu = server_cpu(admin)
-    admitted = case.run(hits, identities)
-    cpu = server_cpu(admin) - cpu
-    stats = commandstats(admin)
-    usec, calls = server_time(stats)
-    return {
-        "per_call": usec / calls,
-        "per_decision": usec / hits,
-        "cpu_per_decision": cpu * 1e6 / hits,
-        "inside": {c: f["calls"] / hits for c, f in sorted(stats.items()) if c not in TOP_LEVEL},
-        "admitted": admitted / hits,
-    }
+    connection = storage.get_connection()
+    return Case(strategy.label, pipelined(connection, add), connection.close)
 
 
 def build_cases(server: Server, args: argparse.Namespace) -> list[Case]:
@@ -259,33 +189,34 @@ def build_cases(server: Server, args: argparse.Namespace) -> list[Case]:
     if args.baseline:
         old = baseline_scripts(args.baseline)
         cases += [ratekeeper_case(server.url, a, args.spec, api=api, script=old[a]) for a in chosen]
-    for peer in sorted({PEERS[a] for a in chosen if a in PEERS}):
-        cases.append(limits_case(server.port, peer.removeprefix("limits "), args.spec, api=api))
+    peers = {PEERS[a] for a in chosen if a in PEERS}
+    for peer in sorted(peers, key=lambda strategy: strategy.label):
+        cases.append(limits_peer_case(server.url, peer, args.spec, api=api))
     return cases
 
 
-def report(console: Console, cases: list[Case]) -> None:
+def report(console: Console, cases: list[Case], samples: dict[str, list[Cost]]) -> None:
     by_name = {case.name: case for case in cases}
 
-    def median(case: Case, metric: str) -> float:
-        return statistics.median(sample[metric] for sample in case.samples)
+    def median(case: Case, metric: Callable[[Cost], float]) -> float:
+        return statistics.median(metric(sample) for sample in samples[case.name])
 
     def ratio(a: Case, b: Case) -> str:
-        pairs = zip(a.samples, b.samples, strict=True)
-        return f"{statistics.median(x['per_decision'] / y['per_decision'] for x, y in pairs):.2f}"
+        pairs = zip(samples[a.name], samples[b.name], strict=True)
+        return f"{statistics.median(x.per_decision / y.per_decision for x, y in pairs):.2f}"
 
     rows = []
     for case in cases:
         algorithm = case.name.split()[0]
-        peer = by_name.get(PEERS.get(algorithm, ""))
+        peer = by_name.get(PEERS[algorithm].label) if algorithm in PEERS else None
         base = by_name.get(f"{algorithm} (baseline)")
         rows.append(
             [
                 case.name,
-                f"{median(case, 'per_call'):.2f}",
-                f"{median(case, 'per_decision'):.2f}",
-                f"{median(case, 'cpu_per_decision'):.2f}",
-                f"{median(case, 'admitted'):.2f}",
+                f"{median(case, lambda c: c.per_call or 0.0):.2f}",
+                f"{median(case, lambda c: c.per_decision):.2f}",
+                f"{median(case, lambda c: c.cpu_per_decision):.2f}",
+                f"{median(case, lambda c: c.admitted / c.decisions):.2f}",
                 f"{ratio(case, peer)} x {peer.name.split()[1]}" if peer else "-",
                 ratio(case, base) if base is not None and base is not case else "-",
             ]
@@ -293,7 +224,7 @@ def report(console: Console, cases: list[Case]) -> None:
     headers = ("case", "us/call", "us/dec", "cpu/dec", "admit", "vs peer", "vs base")
     print_table(console, "server time per decision, medians over rounds", headers, rows)
     rows = [
-        [case.name, ", ".join(f"{c} {v:.2f}" for c, v in case.samples[-1]["inside"].items())]
+        [case.name, ", ".join(f"{c} {v:.2f}" for c, v in samples[case.name][-1].inside.items())]
         for case in cases
     ]
     print_table(console, "commands run inside the scripts, per decision (last round)",
@@ -324,15 +255,16 @@ def main(argv: list[str] | None = None) -> int:
             f"{binary.flavor} {binary.version}: {args.spec}, {args.hits:,} hits over "
             f"{args.identities:,} identities per case, {args.rounds} rounds, {mode}"
         )
+        samples: dict[str, list[Cost]] = {case.name: [] for case in cases}
         for r, order in rotations(cases, args.rounds):
             for case in order:
-                case.samples.append(measure(admin, case, args.hits, identities))
-            shown = ", ".join(f"{c.name} {c.samples[-1]['per_decision']:.1f}" for c in cases)
+                samples[case.name].append(measure(admin, case, args.hits, identities))
+            shown = ", ".join(f"{c.name} {samples[c.name][-1].per_decision:.1f}" for c in cases)
             print(f"  round {r + 1}, us/dec: {shown}")
         for case in cases:
             case.close()
         admin.close()
-    report(console(), cases)
+    report(console(), cases, samples)
     return 0
 
 

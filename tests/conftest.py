@@ -5,6 +5,14 @@ test that takes it runs against each. ``api`` is ``sync`` or ``async``: ``make_l
 an object with blocking ``hit/peek/reset/close`` either way, driving an ``AsyncLimiter`` on a
 private event loop for ``async``, so one contract test covers both APIs.
 
+Servers: ``server`` is each shared session server in turn (``admin``: a client of the test's
+own on it); ``own_server`` is each of a module's own servers in turn, for tests that kill,
+freeze, flush or fill them (running again after each test) or count their commands;
+``private_server`` is one server of the module's own. ``pttl`` reads a key's TTL on whatever
+``backend`` the test runs on; ``upstream`` is a local HTTP server counting what it received.
+Web servers are in ``http_servers.py``, worker processes in ``workers.py``, and the helpers
+users may want too in ``ratekeeper.testing``.
+
 With no server binary at all (see ``servers.py`` for where they are looked for), the pure unit
 tests still run, ``backend`` is ``memory`` only, and every test that needs a server is skipped
 with ``NO_SERVER`` as its reason. ``RATEKEEPER_REQUIRE_SERVERS=1`` (CI sets it) makes a run
@@ -17,15 +25,20 @@ import asyncio
 import itertools
 import os
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
+import redis
 
 from ratekeeper import AsyncLimiter, Decision, Limiter, Policy
 from ratekeeper._keys import Identity
 
+from .private_servers import private_servers
 from .seams import Wire, spy_on_the_wire
 from .servers import RedisServer, ServerBinary, discovery, required_flavors
+
+if TYPE_CHECKING:
+    from .http_servers import Upstream
 
 DISCOVERY = discovery()
 BINARIES: list[ServerBinary] = list(DISCOVERY.binaries)
@@ -96,6 +109,26 @@ def private_server(binaries: list[ServerBinary]) -> Iterator[RedisServer]:
     server.stop()
 
 
+@pytest.fixture(scope="module")
+def own_servers(binaries: list[ServerBinary]) -> Iterator[dict[str, RedisServer]]:
+    """One server per flavor of the module's own, for tests that break them (kill, freeze,
+    flush, fill) or count their commands; stopped after the module."""
+    with private_servers() as started:
+        yield started
+
+
+@pytest.fixture(params=_FLAVOR_PARAMS)
+def own_server(
+    request: pytest.FixtureRequest, own_servers: dict[str, RedisServer]
+) -> Iterator[RedisServer]:
+    """Each of the module's own servers in turn, running at the start of the test and again
+    after it whatever the test did (frozen: thawed; killed: started again on its port)."""
+    server = own_servers[request.param]
+    server.revive()
+    yield server
+    server.revive()
+
+
 @pytest.fixture(scope="session")
 def servers() -> Iterator[dict[str, RedisServer]]:
     """One running server per flavor for the whole run."""
@@ -110,6 +143,22 @@ def servers() -> Iterator[dict[str, RedisServer]]:
 def server(request: pytest.FixtureRequest, servers: dict[str, RedisServer]) -> RedisServer:
     """Each shared server in turn."""
     return servers[request.param]
+
+
+@pytest.fixture
+def upstream() -> Iterator[Upstream]:
+    """An HTTP server on a loopback port that counts the requests it received."""
+    from .http_servers import Upstream  # httpx: not in every test environment
+
+    with Upstream() as running:
+        yield running
+
+
+@pytest.fixture
+def admin(server: RedisServer) -> Iterator[redis.Redis]:
+    """A client of the test's own on ``server``, to inspect, flush or configure it."""
+    with server.client() as client:
+        yield client
 
 
 @pytest.fixture(params=["memory", *FLAVORS])
@@ -176,6 +225,38 @@ def make_limiter(backend: str, api: str, key_prefix: str) -> Iterator[MakeLimite
     yield make
     for limiter in made:
         limiter.close()
+
+
+@pytest.fixture
+def backend_server(request: pytest.FixtureRequest, backend: str) -> RedisServer | None:
+    """The server behind ``backend`` (None for memory://)."""
+    if backend == "memory://":
+        return None
+    servers: dict[str, RedisServer] = request.getfixturevalue("servers")
+    (server,) = [s for s in servers.values() if s.url == backend]
+    return server
+
+
+#: ``pttl(limiter, key)``, see the fixture.
+Pttl = Callable[[Any, str], int]
+
+
+@pytest.fixture
+def pttl(backend_server: RedisServer | None) -> Pttl:
+    """``pttl(limiter, key)``: the milliseconds ``key`` has left on the test's backend (-2 when
+    it does not exist), from the memory store of ``limiter`` (a ``Limiter`` or an
+    ``AsyncDriver``), or from the server with a client of the test's own."""
+
+    def left(limiter: Any, key: str) -> int:
+        if backend_server is None:
+            storage = (
+                limiter.limiter.storage if isinstance(limiter, AsyncDriver) else limiter.storage
+            )
+            return int(getattr(storage, "sync", storage).pttl(key))
+        with backend_server.client() as client:
+            return int(client.pttl(key))
+
+    return left
 
 
 # --- Redis Cluster and Sentinel topologies (tests/topologies.py) --------------------------------

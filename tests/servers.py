@@ -12,6 +12,7 @@ Port 6379 is never used.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import re
@@ -21,13 +22,15 @@ import socket
 import subprocess
 import tempfile
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
+
+from .processes import stop_process
 
 FLAVOR_NAMES = ("redis", "valkey")
 VERSION_TIMEOUT = 5.0  # seconds a candidate gets to answer --version
@@ -208,10 +211,12 @@ class RedisServer:
         with self.client() as client:
             return command_calls(client, command)
 
-    def client(self) -> redis.Redis:
-        # No retries: while a server starts, a refused connection should fail fast.
+    def client(self, db: int = 0) -> redis.Redis:
+        """A client of the test's own (an admin: to inspect, flush, configure); use it in a
+        ``with`` block, which closes it. No retries: while a server starts, a refused
+        connection should fail fast."""
         return redis.Redis(
-            host="127.0.0.1", port=self.port, socket_timeout=5, retry=Retry(NoBackoff(), 0)
+            host="127.0.0.1", port=self.port, db=db, socket_timeout=5, retry=Retry(NoBackoff(), 0)
         )
 
     def start(self) -> RedisServer:
@@ -238,6 +243,32 @@ class RedisServer:
                 raise RuntimeError(f"{self.binary.path} did not start on {self.port}:\n{log}")
             time.sleep(0.02)
 
+    @property
+    def running(self) -> bool:
+        """Started, and not killed or exited since (a frozen server is running)."""
+        return self.proc is not None and self.proc.poll() is None
+
+    @contextlib.contextmanager
+    def frozen(self) -> Iterator[float]:
+        """SIGSTOP the server for the block (yields ``time.monotonic()`` when it stopped): it
+        keeps its connections and answers nothing. SIGCONT whatever happens."""
+        assert self.proc is not None
+        pid = self.proc.pid
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            yield time.monotonic()
+        finally:
+            os.kill(pid, signal.SIGCONT)
+
+    def revive(self) -> None:
+        """Running again whatever a test did to it: thawed if stopped, started afresh on its
+        port if killed."""
+        if self.proc is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.proc.pid, signal.SIGCONT)
+        if not self.running:
+            self.start()
+
     def kill(self) -> None:
         """SIGKILL and reap: the server vanishes as in a crash."""
         if self.proc is not None and self.proc.poll() is None:
@@ -251,12 +282,7 @@ class RedisServer:
         self.start()
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
+        if self.proc is not None:
+            stop_process(self.proc)
         self.proc = None
         shutil.rmtree(self.dir, ignore_errors=True)

@@ -8,7 +8,6 @@ import contextlib
 import os
 import queue
 import shutil
-import signal
 import subprocess
 import sys
 import threading
@@ -22,6 +21,8 @@ import grpc
 
 from ratekeeper.service import rls_pb2 as ours
 from ratekeeper.service._server import RLS_METHOD, ServeOptions, Service
+
+from .processes import stop_process
 
 #: The store timeout the service tests give ``serve`` (see :func:`running`).
 STORE_TIMEOUT = 2.0
@@ -175,17 +176,11 @@ class ServeProcess:
         self.proc.send_signal(signum)
 
     def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
+        code = stop_process(self.proc, 20)
         self._reader.join(10)
         if self.proc.stderr is not None:
             self.proc.stderr.close()
-        return self.proc.returncode
+        return code
 
 
 @contextlib.contextmanager

@@ -13,6 +13,7 @@ from typing import Any
 
 import click
 import pytest
+import redis
 from click.testing import CliRunner
 
 from ratekeeper import Limiter, Policy
@@ -88,7 +89,7 @@ def expect(record: dict[str, Any], identity: str, allowed: bool, remaining: int)
 
 
 def test_hit_spends_until_denied_peek_spends_nothing_reset_frees(
-    server: RedisServer, key_prefix: str
+    server: RedisServer, admin: redis.Redis, key_prefix: str
 ) -> None:
     args = target(server, key_prefix)
     peeked = run("peek", *args, "--json", "alice")
@@ -114,15 +115,11 @@ def test_hit_spends_until_denied_peek_spends_nothing_reset_frees(
         expect(record, "alice", False, 0)
 
     keys = library_keys("alice", key_prefix)
-    client = server.client()
-    try:
-        assert client.exists(*keys) == len(keys)
-        reset = run("reset", *args, "--json", "alice")
-        assert reset.returncode == 0, reset.stderr
-        assert json.loads(reset.stdout) == [{"identity": "alice", "reset": True, "keys": keys}]
-        assert client.exists(*keys) == 0
-    finally:
-        client.close()
+    assert admin.exists(*keys) == len(keys)
+    reset = run("reset", *args, "--json", "alice")
+    assert reset.returncode == 0, reset.stderr
+    assert json.loads(reset.stdout) == [{"identity": "alice", "reset": True, "keys": keys}]
+    assert admin.exists(*keys) == 0
     again = run("hit", *args, "--json", "alice")
     assert again.returncode == 0
     expect(records(again)[0], "alice", True, 2)
@@ -321,19 +318,15 @@ def test_unreachable_store_is_one_line_exit_3() -> None:
 
 
 def test_a_refused_call_names_the_identity_and_what_was_done(
-    server: RedisServer, key_prefix: str
+    server: RedisServer, admin: redis.Redis, key_prefix: str
 ) -> None:
     args = target(server, key_prefix)
     [key] = library_keys("ivan", key_prefix)
-    client = server.client()
-    try:
-        client.set(key, "not a log")  # WRONGTYPE for the script: a refused call, not a decision
-        assert_one_line_error(
-            run("hit", *args, "--json", "jane", "ivan"),
-            3,
-            "refused the call for 'ivan'; 1 before it done",
-            "RequestRejected",
-        )
-        assert run("peek", *args, "--json", "jane").stdout.count('"remaining": 2') == 1
-    finally:
-        client.close()
+    admin.set(key, "not a log")  # WRONGTYPE for the script: a refused call, not a decision
+    assert_one_line_error(
+        run("hit", *args, "--json", "jane", "ivan"),
+        3,
+        "refused the call for 'ivan'; 1 before it done",
+        "RequestRejected",
+    )
+    assert run("peek", *args, "--json", "jane").stdout.count('"remaining": 2') == 1

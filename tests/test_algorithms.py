@@ -17,50 +17,17 @@ from dataclasses import replace
 from typing import Any
 
 import pytest
+import redis
 
-from ratekeeper import CircuitBreaker, ConfigError, Decision, Limiter, ManualClock, Policy, Rate
+from ratekeeper import CircuitBreaker, ConfigError, Decision, Limiter, Policy, Rate
+from ratekeeper.testing import decision
 
-from .conftest import AsyncDriver, MakeLimiter
+from .clocks import ALIGNED_US, ExactClock
+from .conftest import AsyncDriver, MakeLimiter, Pttl
 from .servers import RedisServer
-
-#: An hour boundary (so also a minute, ten-second and second boundary), in microseconds.
-ALIGNED_US = 1_699_999_200_000_000
-assert ALIGNED_US % 3_600_000_000 == 0
 
 #: The counter algorithms: everything but concurrency, which hands out leases.
 COUNTERS = ["sliding_log", "sliding_window", "fixed_window", "gcra", "token_bucket"]
-
-
-class ExactClock(ManualClock):
-    """A ManualClock moved in whole microseconds that the core reads back exactly (a float
-    sum such as ``t + 0.1`` can otherwise read as one microsecond less)."""
-
-    def __init__(self, start_us: int = ALIGNED_US) -> None:
-        super().__init__()
-        self.us = start_us
-        self._sync()
-
-    def advance(self, seconds: float) -> None:
-        self.advance_us(round(seconds * 1_000_000))
-
-    def advance_us(self, us: int) -> None:
-        assert us >= 0
-        self.us += us
-        self._sync()
-
-    def rewind(self, seconds: float) -> None:
-        """Move back: the clock of a client behind the previous caller's."""
-        self.us -= round(seconds * 1_000_000)
-        self._sync()
-
-    def _sync(self) -> None:
-        seconds = self.us / 1_000_000
-        while int(seconds * 1_000_000) < self.us:
-            seconds = math.nextafter(seconds, math.inf)
-        while int(seconds * 1_000_000) > self.us:
-            seconds = math.nextafter(seconds, -math.inf)
-        self.set(seconds)
-        assert int(self() * 1_000_000) == self.us
 
 
 @pytest.fixture
@@ -89,47 +56,10 @@ def limiter(make: MakeLimiter) -> Any:
     return make()
 
 
-def decision(
-    policy: Policy,
-    rate: Rate | str,
-    *,
-    allowed: bool,
-    remaining: int,
-    reset_after: float,
-    retry_after: float | None = None,
-) -> Decision:
-    if isinstance(rate, str):
-        (rate,) = Policy("parse", rate).rates
-    return Decision(
-        allowed=allowed,
-        limit=rate.limit,
-        remaining=remaining,
-        reset_after=reset_after,
-        retry_after=retry_after,
-        policy=policy.name,
-        rate=rate,
-    )
-
-
-def pttl(limiter: Any, backend: str, servers: dict[str, RedisServer], key: str) -> int:
-    """Milliseconds ``key`` has left; -2 when it does not exist."""
-    if backend == "memory://":
-        storage = limiter.storage if isinstance(limiter, Limiter) else limiter.limiter.storage
-        return int(getattr(storage, "sync", storage).pttl(key))
-    (server,) = [s for s in servers.values() if s.url == backend]
-    client = server.client()
-    try:
-        return int(client.pttl(key))
-    finally:
-        client.close()
-
-
-def assert_ttl(
-    limiter: Any, backend: str, servers: dict[str, RedisServer], key: str, expected_ms: int
-) -> None:
+def assert_ttl(pttl: Pttl, limiter: Any, backend: str, key: str, expected_ms: int) -> None:
     """The key's TTL is the one its script sets: exact on the memory keyspace (which runs on
     the manual clock), at most that and not a second less on a server (real time)."""
-    left = pttl(limiter, backend, servers, key)
+    left = pttl(limiter, key)
     if backend == "memory://":
         assert left == expected_ms, key
     else:
@@ -202,7 +132,7 @@ def test_limit_then_deny_with_the_exact_wait(
     retry, reset = SIXTH[algorithm]
     sixth = limiter.hit(policy, "a")
     assert sixth == decision(
-        policy, "5 per 10 seconds", allowed=False, remaining=0, reset_after=reset, retry_after=retry
+        False, rate="5 per 10 seconds", reset_after=reset, retry_after=retry, policy=policy.name
     )
     # One microsecond before the wait ends: still denied, with one microsecond to go.
     clock.advance_us(round(retry * 1_000_000) - 1)
@@ -229,11 +159,7 @@ def test_cost_consumes_units_and_a_denial_writes_nothing(limiter: Any, algorithm
 
 @pytest.mark.parametrize("algorithm", [*COUNTERS, "gcra-burst"])
 def test_cost_above_capacity_never_passes_and_writes_nothing(
-    limiter: Any,
-    clock: ExactClock,
-    backend: str,
-    servers: dict[str, RedisServer],
-    algorithm: str,
+    limiter: Any, clock: ExactClock, pttl: Pttl, algorithm: str
 ) -> None:
     if algorithm == "gcra-burst":
         # With a burst of 3, a cost of 4 never fits, although it is within the limit of 10.
@@ -242,16 +168,11 @@ def test_cost_above_capacity_never_passes_and_writes_nothing(
         policy, cost, capacity = Policy("never", "5 per 10 seconds", algorithm), 6, 5
     never = limiter.hit(policy, "a", cost=cost)
     assert never == decision(
-        policy,
-        policy.rates[0],
-        allowed=False,
-        remaining=capacity,
-        reset_after=0.0,
-        retry_after=math.inf,
+        False, rate=policy.rates[0], remaining=capacity, retry_after=math.inf, policy=policy.name
     )
     assert limiter.peek(policy, "a", cost=cost).retry_after == math.inf
     (key,) = limiter.keys(policy, "a")
-    assert pttl(limiter, backend, servers, key) == -2  # nothing was written
+    assert pttl(limiter, key) == -2  # nothing was written
     assert limiter.hit(policy, "a", cost=capacity).allowed
     clock.advance(3600)
     assert limiter.hit(policy, "a", cost=cost).retry_after == math.inf
@@ -281,7 +202,7 @@ def test_reset_forgets_one_identity(limiter: Any, algorithm: str) -> None:
         assert [limiter.hit(policy, identity).allowed for _ in range(3)] == [True, True, False]
     limiter.reset(policy, "a")
     assert limiter.peek(policy, "a") == decision(
-        policy, "2/hour", allowed=True, remaining=2, reset_after=0.0
+        True, rate="2/hour", remaining=2, reset_after=0.0, policy=policy.name
     )
     assert [limiter.hit(policy, "a").allowed for _ in range(3)] == [True, True, False]
     assert not limiter.hit(policy, "b").allowed  # b was not reset
@@ -327,20 +248,20 @@ def test_fixed_window_multi_rate_by_hand(limiter: Any, clock: ExactClock) -> Non
     assert limiter.hit(policy, "a", cost=2).allowed  # t=2.5: [2,4) 2 of 3, [0,3) 4 of 4
     denied = limiter.hit(policy, "a")  # refused by the 3 s window alone
     assert denied == decision(
-        policy, three, allowed=False, remaining=0, reset_after=0.5, retry_after=0.5
+        False, rate=three, remaining=0, reset_after=0.5, retry_after=0.5, policy=policy.name
     )
     clock.advance(0.5)  # t=3: [2,4) still holds 2 (3 had the denial counted), [3,6) is new
     assert limiter.peek(policy, "a") == decision(
-        policy, two, allowed=True, remaining=1, reset_after=1.0
+        True, rate=two, remaining=1, reset_after=1.0, policy=policy.name
     )
     assert limiter.hit(policy, "a").allowed  # [2,4) 3 of 3, [3,6) 1 of 4
     denied = limiter.hit(policy, "a")  # refused by the 2 s window alone
     assert denied == decision(
-        policy, two, allowed=False, remaining=0, reset_after=1.0, retry_after=1.0
+        False, rate=two, remaining=0, reset_after=1.0, retry_after=1.0, policy=policy.name
     )
     clock.advance(1)  # t=4: [4,6) is new; [3,6) holds 1 (2 had the denial counted)
     assert limiter.peek(policy, "a") == decision(
-        policy, three, allowed=True, remaining=3, reset_after=2.0
+        True, rate=three, remaining=3, reset_after=2.0, policy=policy.name
     )
 
 
@@ -357,13 +278,13 @@ def test_sliding_log_waits_for_an_entry_from_a_clock_ahead(limiter: Any, clock: 
     assert limiter.hit(policy, "a").allowed  # stamped t + 4 s
     clock.rewind(4)
     # Stamped t + 4 s too (clamped to the newest); the log empties at t + 14 s.
-    expected = decision(policy, "3 per 10 seconds", allowed=True, remaining=1, reset_after=14.0)
+    expected = decision(
+        True, rate="3 per 10 seconds", remaining=1, reset_after=14.0, policy=policy.name
+    )
     assert limiter.hit(policy, "a") == expected
     assert limiter.peek(policy, "a") == expected
     # A cost of 2 waits for the older of the two entries to leave: both are at t + 4 s, 14 s.
-    assert limiter.hit(policy, "a", cost=2) == decision(
-        policy, "3 per 10 seconds", allowed=False, remaining=1, reset_after=14.0, retry_after=14.0
-    )
+    assert limiter.hit(policy, "a", cost=2) == replace(expected, allowed=False, retry_after=14.0)
     clock.advance_us(14_000_000 - 1)  # a microsecond before: still denied
     assert not limiter.hit(policy, "a", cost=2).allowed
     clock.advance_us(1)
@@ -378,46 +299,45 @@ def test_fixed_window_waits_for_the_window_end(limiter: Any, clock: ExactClock) 
     clock.advance(10)  # 10 s into an aligned minute
     decisions = [limiter.hit(policy, "a") for _ in range(3)]
     assert decisions[-1] == decision(
-        policy, "3/minute", allowed=True, remaining=0, reset_after=50.0
+        True, rate="3/minute", remaining=0, reset_after=50.0, policy=policy.name
     )
     assert limiter.hit(policy, "a") == decision(
-        policy, "3/minute", allowed=False, remaining=0, reset_after=50.0, retry_after=50.0
+        False, rate="3/minute", remaining=0, reset_after=50.0, retry_after=50.0, policy=policy.name
     )
     clock.advance(49.999_999)
     assert limiter.hit(policy, "a").retry_after == 0.000_001
     clock.advance_us(1)  # the next window: a fresh count, whatever happened just before
     assert limiter.hit(policy, "a") == decision(
-        policy, "3/minute", allowed=True, remaining=2, reset_after=60.0
+        True, rate="3/minute", remaining=2, reset_after=60.0, policy=policy.name
     )
     # Up to twice the limit across a boundary: the documented weakness of fixed windows.
     assert [limiter.hit(policy, "a").allowed for _ in range(3)] == [True, True, False]
 
 
 def test_fixed_window_ttl_ends_with_the_window(
-    limiter: Any, clock: ExactClock, backend: str, servers: dict[str, RedisServer]
+    limiter: Any, clock: ExactClock, backend: str, pttl: Pttl
 ) -> None:
     policy = Policy("fw-ttl", "5 per 10 seconds", "fixed_window")
     (key,) = limiter.keys(policy, "a")
     clock.advance(2.5)
     limiter.hit(policy, "a")
-    assert_ttl(limiter, backend, servers, key, 7_500 + 1_000)  # window end + margin
+    assert_ttl(pttl, limiter, backend, key, 7_500 + 1_000)  # window end + margin
     clock.advance(7)  # 0.5 s before the window ends
     limiter.hit(policy, "a")
     # Not re-armed to now + window: still the window end (+ margin), which is now closer.
-    assert_ttl(limiter, backend, servers, key, 500 + 1_000)
+    assert_ttl(pttl, limiter, backend, key, 500 + 1_000)
     clock.advance(0.5)  # the next window
     limiter.hit(policy, "a")
-    assert_ttl(limiter, backend, servers, key, 10_000 + 1_000)
+    assert_ttl(pttl, limiter, backend, key, 10_000 + 1_000)
 
 
 @pytest.mark.parametrize("algorithm", ["fixed_window", "sliding_window"])
 def test_on_the_server_clock_a_hit_in_the_same_window_keeps_the_ttl(
-    server: RedisServer, key_prefix: str, algorithm: str
+    server: RedisServer, admin: redis.Redis, key_prefix: str, algorithm: str
 ) -> None:
     """On the server's clock the TTL set when a window starts already runs to its end (plus
     the margin), so later hits in that window leave it alone: a TTL no hit would set stays."""
     policy = Policy("ttl-kept", "5 per day", algorithm)
-    admin = server.client()
     with Limiter.from_url(server.url, key_prefix=key_prefix, deny_cache=0) as limiter:
         (key,) = limiter.keys(policy, "a")
         assert limiter.hit(policy, "a").remaining == 4
@@ -428,7 +348,6 @@ def test_on_the_server_clock_a_hit_in_the_same_window_keeps_the_ttl(
         assert second.remaining == 3
         if admin.hget(key, "w1") == start:  # not across midnight UTC, when a new window starts
             assert admin.pttl(key) > 3 * 86_400_000 - 60_000
-    admin.close()
 
 
 # == sliding_window ==========================================================================
@@ -442,16 +361,16 @@ def test_sliding_window_weighs_the_previous_window(limiter: Any, clock: ExactClo
     assert limiter.hit(policy, "a", cost=10).remaining == 0
     clock.advance(80)  # 30 s into the next minute
     assert limiter.peek(policy, "a") == decision(
-        policy, "10/minute", allowed=True, remaining=5, reset_after=30.0
+        True, rate="10/minute", remaining=5, reset_after=30.0, policy=policy.name
     )
     for left in (4, 3, 2, 1, 0):
         # Counted now, weighted through the end of the next window: 90 s.
         assert limiter.hit(policy, "a") == decision(
-            policy, "10/minute", allowed=True, remaining=left, reset_after=90.0
+            True, rate="10/minute", remaining=left, reset_after=90.0, policy=policy.name
         )
     # The sixth fits once 10 * (60000 - e') / 60000 + 5 + 1 <= 10, i.e. e' = 36000 ms: 6 s.
     assert limiter.hit(policy, "a") == decision(
-        policy, "10/minute", allowed=False, remaining=0, reset_after=90.0, retry_after=6.0
+        False, rate="10/minute", remaining=0, reset_after=90.0, retry_after=6.0, policy=policy.name
     )
     clock.advance(5.999_999)  # e = 35999 ms: the weight is still above 4
     assert limiter.hit(policy, "a").retry_after == 0.000_001
@@ -468,13 +387,13 @@ def test_sliding_window_full_window_waits_into_the_next(limiter: Any, clock: Exa
     clock.advance(10)
     assert limiter.hit(policy, "a", cost=5).allowed
     assert limiter.hit(policy, "a") == decision(
-        policy, "5/minute", allowed=False, remaining=0, reset_after=110.0, retry_after=62.0
+        False, rate="5/minute", remaining=0, reset_after=110.0, retry_after=62.0, policy=policy.name
     )
     clock.advance(61.999)  # 11999 ms into the next window
     assert not limiter.hit(policy, "a").allowed
     clock.advance(0.001)
     assert limiter.hit(policy, "a") == decision(
-        policy, "5/minute", allowed=True, remaining=0, reset_after=108.0
+        True, rate="5/minute", remaining=0, reset_after=108.0, policy=policy.name
     )
 
 
@@ -487,14 +406,14 @@ def test_gcra_burst_then_one_per_interval(limiter: Any, clock: ExactClock, algor
     policy = Policy("gcra", "10/second", algorithm)
     for k in range(1, 11):
         assert limiter.hit(policy, "a") == decision(
-            policy, "10/second", allowed=True, remaining=10 - k, reset_after=k / 10
+            True, rate="10/second", remaining=10 - k, reset_after=k / 10, policy=policy.name
         )
     assert limiter.hit(policy, "a") == decision(
-        policy, "10/second", allowed=False, remaining=0, reset_after=1.0, retry_after=0.1
+        False, rate="10/second", remaining=0, reset_after=1.0, retry_after=0.1, policy=policy.name
     )
     clock.advance(0.1)
     assert limiter.hit(policy, "a") == decision(
-        policy, "10/second", allowed=True, remaining=0, reset_after=1.0
+        True, rate="10/second", remaining=0, reset_after=1.0, policy=policy.name
     )
     # Time counts in whole milliseconds: 99.999 ms later is still 99 ms later.
     clock.advance(0.099_999)
@@ -510,7 +429,7 @@ def test_gcra_burst_one_admits_exactly_the_rate(
     policy = Policy("gcra-b1", "10/second", algorithm, burst=1)
     for _ in range(20):
         assert limiter.hit(policy, "a") == decision(
-            policy, "10/second", allowed=True, remaining=0, reset_after=0.1
+            True, rate="10/second", remaining=0, reset_after=0.1, policy=policy.name
         )
         clock.advance(0.099)
         assert limiter.hit(policy, "a").retry_after == pytest.approx(0.001, abs=1e-9)
@@ -522,7 +441,7 @@ def test_gcra_burst_above_the_limit(limiter: Any, clock: ExactClock) -> None:
     policy = Policy("gcra-b5", "2/second", "gcra", burst=5)
     assert [limiter.hit(policy, "a").remaining for _ in range(5)] == [4, 3, 2, 1, 0]
     assert limiter.hit(policy, "a") == decision(
-        policy, "2/second", allowed=False, remaining=0, reset_after=2.5, retry_after=0.5
+        False, rate="2/second", remaining=0, reset_after=2.5, retry_after=0.5, policy=policy.name
     )
     clock.advance(0.5)
     assert limiter.hit(policy, "a").allowed
@@ -571,31 +490,31 @@ def test_every_key_written_has_the_documented_ttl(
     limiter: Any,
     clock: ExactClock,
     backend: str,
-    servers: dict[str, RedisServer],
+    pttl: Pttl,
     case: tuple[str, str, int, int],
 ) -> None:
     algorithm, rates, cost, ttl_ms = case
     policy = Policy("ttl", rates, algorithm)
     keys = limiter.keys(policy, "a")
     clock.advance(2.5)
-    assert all(pttl(limiter, backend, servers, key) == -2 for key in keys)
+    assert all(pttl(limiter, key) == -2 for key in keys)
     assert limiter.hit(policy, "a", cost=cost).allowed
     for key in keys:
-        assert_ttl(limiter, backend, servers, key, ttl_ms)
+        assert_ttl(pttl, limiter, backend, key, ttl_ms)
 
 
 def test_concurrency_key_has_the_documented_ttl(
-    limiter: Any, clock: ExactClock, backend: str, servers: dict[str, RedisServer]
+    limiter: Any, clock: ExactClock, backend: str, pttl: Pttl
 ) -> None:
     policy = Policy("ttl-leases", "5 per 10 seconds", "concurrency")
     (key,) = limiter.keys(policy, "a")
     first = acquire(limiter, policy, "a")
-    assert_ttl(limiter, backend, servers, key, 10_000 + 1_000)  # the latest expiry + margin
+    assert_ttl(pttl, limiter, backend, key, 10_000 + 1_000)  # the latest expiry + margin
     clock.advance(4)
     acquire(limiter, policy, "a")
-    assert_ttl(limiter, backend, servers, key, 10_000 + 1_000)
+    assert_ttl(pttl, limiter, backend, key, 10_000 + 1_000)
     assert first.release()
-    assert pttl(limiter, backend, servers, key) > 0  # the other lease is still held
+    assert pttl(limiter, key) > 0  # the other lease is still held
 
 
 # == concurrency =============================================================================
@@ -607,7 +526,7 @@ def test_concurrency_limit_and_exact_wait(limiter: Any, clock: ExactClock) -> No
     for left in (2, 1, 0):
         lease = acquire(limiter, policy, "a")
         assert lease.decision == decision(
-            policy, "3 per 30 seconds", allowed=True, remaining=left, reset_after=30.0
+            True, rate="3 per 30 seconds", remaining=left, reset_after=30.0, policy=policy.name
         )
         assert lease.allowed
         assert lease.held
@@ -616,7 +535,7 @@ def test_concurrency_limit_and_exact_wait(limiter: Any, clock: ExactClock) -> No
     # At t+3 the oldest lease (t) expires at t+30, the newest (t+2) at t+32.
     denied = acquire(limiter, policy, "a")
     assert denied.decision == decision(
-        policy, "3 per 30 seconds", allowed=False, remaining=0, reset_after=29.0, retry_after=27.0
+        False, rate="3 per 30 seconds", reset_after=29.0, retry_after=27.0, policy=policy.name
     )
     assert not denied.allowed
     assert not denied.held
@@ -628,22 +547,22 @@ def test_concurrency_limit_and_exact_wait(limiter: Any, clock: ExactClock) -> No
     assert leases[1].release() is True
     assert not leases[1].held
     assert limiter.peek(policy, "a") == decision(
-        policy, "3 per 30 seconds", allowed=True, remaining=1, reset_after=29.0
+        True, rate="3 per 30 seconds", remaining=1, reset_after=29.0, policy=policy.name
     )
     assert leases[1].release() is False  # idempotent
     replacement = acquire(limiter, policy, "a")
     assert replacement.decision == decision(
-        policy, "3 per 30 seconds", allowed=True, remaining=0, reset_after=30.0
+        True, rate="3 per 30 seconds", remaining=0, reset_after=30.0, policy=policy.name
     )
     # Unreleased leases expire after the period: at t+30 the first one is gone.
     clock.advance(27)
     assert limiter.peek(policy, "a") == decision(
-        policy, "3 per 30 seconds", allowed=True, remaining=1, reset_after=3.0
+        True, rate="3 per 30 seconds", remaining=1, reset_after=3.0, policy=policy.name
     )
     assert acquire(limiter, policy, "a").allowed
 
 
-def test_concurrency_cost(limiter: Any, backend: str, servers: dict[str, RedisServer]) -> None:
+def test_concurrency_cost(limiter: Any, pttl: Pttl) -> None:
     policy = Policy("jobs-cost", "5 per 30 seconds", "concurrency")
     big = acquire(limiter, policy, "a", cost=3)
     assert big.decision.remaining == 2
@@ -653,15 +572,10 @@ def test_concurrency_cost(limiter: Any, backend: str, servers: dict[str, RedisSe
     assert limiter.peek(policy, "a", cost=3).allowed
     never = acquire(limiter, policy, "b", cost=6)
     assert never.decision == decision(
-        policy,
-        "5 per 30 seconds",
-        allowed=False,
-        remaining=5,
-        reset_after=0.0,
-        retry_after=math.inf,
+        False, rate="5 per 30 seconds", remaining=5, retry_after=math.inf, policy=policy.name
     )
     (key,) = limiter.keys(policy, "b")
-    assert pttl(limiter, backend, servers, key) == -2
+    assert pttl(limiter, key) == -2
 
 
 def test_released_lease_expired_or_reset_returns_false(limiter: Any, clock: ExactClock) -> None:
@@ -726,7 +640,7 @@ def test_fixed_window_limit_of_2_52_is_exact(limiter: Any) -> None:
     assert limiter.hit(policy, "a").allowed
     assert limiter.hit(policy, "a").allowed
     assert limiter.hit(policy, "a", cost=2**52 - 1) == decision(
-        policy, rate, allowed=False, remaining=2**52 - 2, reset_after=60.0, retry_after=60.0
+        False, rate=rate, remaining=2**52 - 2, reset_after=60.0, policy=policy.name
     )
     assert limiter.hit(policy, "a", cost=2**52 - 2).remaining == 0
     assert not limiter.hit(policy, "a").allowed
@@ -741,7 +655,7 @@ def test_sliding_window_limit_of_2_52_per_ms_is_exact(limiter: Any) -> None:
     policy = Policy("sw-max", rate, "sliding_window")
     assert limiter.hit(policy, "a", cost=2**52).allowed
     assert limiter.hit(policy, "a") == decision(
-        policy, rate, allowed=False, remaining=0, reset_after=0.002, retry_after=0.002
+        False, rate=rate, remaining=0, reset_after=0.002, retry_after=0.002, policy=policy.name
     )
 
 
@@ -892,5 +806,5 @@ def test_cached_denial_is_not_reused_after_an_admission(limiter: Any, clock: Exa
     denied = limiter.hit(policy, "a", cost=2)
     assert denied.reason in (None, "deny_cache")  # a cached answer is fine, if it is exact
     assert replace(denied, reason=None) == decision(
-        policy, "4 per 10 seconds", allowed=False, remaining=0, reset_after=9.0, retry_after=6.0
+        False, rate="4 per 10 seconds", reset_after=9.0, retry_after=6.0, policy=policy.name
     )

@@ -269,9 +269,10 @@ def test_batching_changes_no_decision_on_the_cluster(
     assert wire.commands == sum(len(step) for step in steps)
 
 
-def test_an_error_reply_fails_only_its_own_call(server: RedisServer, key_prefix: str) -> None:
+def test_an_error_reply_fails_only_its_own_call(
+    server: RedisServer, admin: redis.Redis, key_prefix: str
+) -> None:
     policy = Policy("wrongtype", "5/minute")
-    admin = server.client()
 
     async def main() -> list[Any]:
         async with _limiter(server.url, key_prefix) as limiter:
@@ -281,10 +282,7 @@ def test_an_error_reply_fails_only_its_own_call(server: RedisServer, key_prefix:
                 limiter, [(policy, "a", 1), (policy, "victim", 1), (policy, "b", 1)]
             )
 
-    try:
-        first, victim, last = asyncio.run(main())
-    finally:
-        admin.close()
+    first, victim, last = asyncio.run(main())
     assert isinstance(victim, RequestRejected)
     assert "WRONGTYPE" in str(victim)
     assert isinstance(victim.__cause__, redis.ResponseError)
@@ -292,10 +290,9 @@ def test_an_error_reply_fails_only_its_own_call(server: RedisServer, key_prefix:
 
 
 def test_noscript_inside_a_batch_loads_and_resends(
-    server: RedisServer, key_prefix: str, wire: Wire
+    server: RedisServer, admin: redis.Redis, key_prefix: str, wire: Wire
 ) -> None:
     policy = Policy("noscript", "50/minute")
-    admin = server.client()
 
     async def main() -> list[Any]:
         async with _limiter(server.url, key_prefix) as limiter:
@@ -304,10 +301,7 @@ def test_noscript_inside_a_batch_loads_and_resends(
             wire.clear()
             return await _gather(limiter, [(policy, "flood", 1)] * 120)
 
-    try:
-        decisions = asyncio.run(main())
-    finally:
-        admin.close()
+    decisions = asyncio.run(main())
     assert all(isinstance(d, Decision) and not d.degraded for d in decisions)
     assert sum(d.allowed for d in decisions) == 50
     assert sorted(d.remaining for d in decisions if d.allowed) == list(range(50))
@@ -330,9 +324,10 @@ def test_noscript_inside_a_batch_on_the_cluster(cluster: Any, key_prefix: str) -
     assert [d.allowed for d in decisions] == [True] * 180 + [False] * 60
 
 
-def test_a_broken_connection_is_resent_once(server: RedisServer, key_prefix: str) -> None:
+def test_a_broken_connection_is_resent_once(
+    server: RedisServer, admin: redis.Redis, key_prefix: str
+) -> None:
     policy = Policy("broken", "10/minute")
-    admin = server.client()
     name = f"rk-broken-{key_prefix}"
 
     async def main() -> tuple[list[Any], list[Any]]:
@@ -344,10 +339,7 @@ def test_a_broken_connection_is_resent_once(server: RedisServer, key_prefix: str
             assert killed >= 1
             return before, await _gather(limiter, [(policy, "a", 1)] * 4)
 
-    try:
-        before, after = asyncio.run(main())
-    finally:
-        admin.close()
+    before, after = asyncio.run(main())
     assert [d.remaining for d in before] == [9, 8, 7, 6]
     # At worst a broken exchange counts a hit twice; it never loses one or raises.
     assert all(isinstance(d, Decision) and d.allowed for d in after)

@@ -12,7 +12,6 @@ from __future__ import annotations
 import threading
 import time
 import uuid
-from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -20,8 +19,8 @@ import pytest
 
 from ratekeeper import Limiter, Policy
 
+from .http_servers import Upstream
 from .servers import RedisServer
-from .test_httpx_transport import Upstream
 from .test_wait import assert_at_most_per_window
 
 celery = pytest.importorskip("celery")
@@ -39,12 +38,6 @@ class StampedLimiter(Limiter):
     def hit(self, policy: Policy, identity: Any, cost: int = 1) -> Any:
         self.stamps.sent = time.time()
         return super().hit(policy, identity, cost)
-
-
-@pytest.fixture
-def upstream() -> Iterator[Upstream]:
-    with Upstream() as server:
-        yield server
 
 
 def _db(url: str, db: int) -> str:

@@ -15,11 +15,8 @@ counts) are printed and recorded (`tests/figures.py`: a JSON file, and the figur
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import logging
-import os
-import signal
 import threading
 import time
 from collections import Counter, defaultdict
@@ -33,15 +30,12 @@ import redis
 from ratekeeper import AsyncLimiter, Decision, Limiter, Policy
 from ratekeeper._breaker import BreakerState, CircuitBreaker
 from ratekeeper._keys import Identity
-from ratekeeper.metrics import Metrics
+from ratekeeper.testing import RecordingMetrics
 
 from .delay_proxy import DelayProxy
 from .figures import record
-from .private_servers import private_servers
 from .seams import flush_after_every_load
-from .servers import RedisServer, command_calls, find_binaries
-
-FLAVORS = [binary.flavor for binary in find_binaries()]
+from .servers import RedisServer, command_calls
 
 #: How long a server stays SIGSTOPped (several failed probes, back-off up to its cap).
 STALL_SECONDS = 5.0
@@ -72,54 +66,15 @@ def poll(condition: Callable[[], bool], timeout: float, interval: float = 0.002)
 # --- servers -------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def chaos_servers() -> Iterator[dict[str, RedisServer]]:
-    with private_servers() as started:
-        yield started
-
-
-def _running(server: RedisServer) -> bool:
-    return server.proc is not None and server.proc.poll() is None
-
-
-@pytest.fixture(params=FLAVORS)
-def victim(request: pytest.FixtureRequest, chaos_servers: dict[str, RedisServer]):
-    """A private server, running and clean before the test and again after it."""
-    server = chaos_servers[request.param]
-    if not _running(server):
-        server.start()
-    yield server
-    if server.proc is not None:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(server.proc.pid, signal.SIGCONT)
-    if not _running(server):
-        server.start()
-    with admin(server) as client:
+@pytest.fixture
+def victim(own_server: RedisServer) -> Iterator[RedisServer]:
+    """One of the module's own servers, left running, thawed, empty and without maxmemory."""
+    yield own_server
+    own_server.revive()
+    with own_server.client() as client:
         client.config_set("maxmemory", 0)
         client.config_set("maxmemory-policy", "noeviction")
         client.flushall()
-
-
-@contextlib.contextmanager
-def admin(server: RedisServer) -> Iterator[redis.Redis]:
-    client = server.client()
-    try:
-        yield client
-    finally:
-        client.close()
-
-
-@contextlib.contextmanager
-def stopped(server: RedisServer) -> Iterator[float]:
-    """SIGSTOP the server for the block (yields the time it stopped); SIGCONT whatever
-    happens."""
-    assert server.proc is not None
-    pid = server.proc.pid
-    os.kill(pid, signal.SIGSTOP)
-    try:
-        yield time.monotonic()
-    finally:
-        os.kill(pid, signal.SIGCONT)
 
 
 # --- load ----------------------------------------------------------------------------------------
@@ -410,7 +365,7 @@ def test_stall_under_threads(victim: RedisServer, key_prefix: str):
         with Starvation() as starvation, load:
             assert poll(lambda: load.hits >= 200, timeout=10) is not None  # warm
             assert breaker.state is CLOSED
-            with stopped(victim) as stop_at:
+            with victim.frozen() as stop_at:
                 time.sleep(STALL_SECONDS)  # the stall itself
             cont_at = time.monotonic()
             closed_after = poll(lambda: breaker.state is CLOSED, timeout=5)
@@ -497,7 +452,7 @@ def test_stall_under_asyncio(victim: RedisServer, key_prefix: str, batching: boo
             try:
                 assert await apoll(lambda: len(load.samples) >= 200, timeout=10) is not None
                 assert breaker.state is CLOSED
-                with stopped(victim) as stop_at:
+                with victim.frozen() as stop_at:
                     marks["stop"] = stop_at
                     await asyncio.sleep(STALL_SECONDS)  # the stall itself
                 marks["cont"] = time.monotonic()
@@ -531,22 +486,6 @@ def test_stall_under_asyncio(victim: RedisServer, key_prefix: str, batching: boo
 # --- latency: a slow but working store -----------------------------------------------------------
 
 
-class StoreCalls(Metrics):
-    """Counts store calls by outcome."""
-
-    def __init__(self) -> None:
-        self.ok = 0
-        self.failed = 0
-        self.slowest = 0.0
-
-    def store_call(self, seconds: float, ok: bool) -> None:
-        if ok:
-            self.ok += 1
-        else:
-            self.failed += 1
-        self.slowest = max(self.slowest, seconds)
-
-
 def test_slow_store_trips_the_breaker_on_latency_alone(victim: RedisServer, key_prefix: str):
     """Every reply 30 ms late, none failing: the breaker opens on slow calls alone, its slow
     probes back off (open_for doubling to its cap), and once the delay is gone it closes once
@@ -557,7 +496,7 @@ def test_slow_store_trips_the_breaker_on_latency_alone(victim: RedisServer, key_
         max_open_for=cap, probes=2,
     )  # fmt: skip
     transitions = Transitions(breaker)
-    calls = StoreCalls()
+    calls = RecordingMetrics()
     policy = Policy("slow", "1000000/minute", "gcra", failure_mode="open")
     jobs = [[(policy, f"slow-{i}")] for i in range(4)]
     with (
@@ -599,14 +538,14 @@ def test_slow_store_trips_the_breaker_on_latency_alone(victim: RedisServer, key_
         time_to_open_ms=round((opened - slow_at) * 1000, 1),
         slow_phase_ms=round((healed_at - slow_at) * 1000),
         time_to_close_after_heal_ms=None if closed_after is None else round(closed_after * 1000),
-        store_calls_ok=calls.ok,
-        store_calls_failed=calls.failed,
-        slowest_store_call_ms=round(calls.slowest * 1000, 1),
+        store_calls_ok=[ok for _, ok in calls.store_calls].count(True),
+        store_calls_failed=[ok for _, ok in calls.store_calls].count(False),
+        slowest_store_call_ms=round(max(s for s, _ in calls.store_calls) * 1000, 1),
         open_for_at_openings=[round(o, 3) for _, o in openings],
         transitions=[f"{old}->{new}" for _, old, new, _ in transitions.events],
     )
     # Tripped on latency alone: no call failed, no decision was a timeout or an error.
-    assert calls.failed == 0
+    assert all(ok for _, ok in calls.store_calls)
     assert errors(samples) == []
     assert {d.reason for d in decided(samples)} <= {None, "breaker_open/open"}
     # While slow it never closed: every probe was slow, and each opening lasted at least its
@@ -657,7 +596,7 @@ def test_kill_restart_and_script_flush_under_load(
             back_at = time.monotonic()
             recovered = poll(lambda: load.last_good > back_at, timeout=3)
             # SCRIPT FLUSH, ten times, while the threads keep hitting.
-            with admin(victim) as client:
+            with victim.client() as client:
                 for _ in range(10):
                     client.script_flush()
                     wait_for_hits(load, 20)
@@ -704,13 +643,13 @@ def test_script_flush_under_load_is_exact(victim: RedisServer, key_prefix: str):
         victim.url, key_prefix=key_prefix, deny_cache=0, timeout=1.0, connect_timeout=1.0
     ) as limiter:
         load = Load(limiter, [[(policy, "shared")] for _ in range(6)])
-        with admin(victim) as client, load:
+        with victim.client() as client, load:
             for _ in range(20):
                 client.script_flush()
                 wait_for_hits(load, 15)
             flushes_done_at = load.hits
             assert poll(lambda: load.hits >= 1_300, timeout=30) is not None
-            loads = int(client.info("commandstats").get("cmdstat_script|load", {}).get("calls", 0))
+            loads = command_calls(client, "script|load")
         samples = load.samples
     record(
         f"script_flush[{victim.binary.flavor}]",
@@ -737,7 +676,7 @@ class Flusher:
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def _run(self) -> None:
-        with admin(self.server) as client:
+        with self.server.client() as client:
             while not self._stop.is_set():
                 client.script_flush()
                 self.flushes += 1
@@ -767,7 +706,7 @@ def test_script_flush_under_asyncio_is_exact(
     exception, exactly the limit admitted, no degraded decision."""
     policy = Policy("flush-async", "1000/minute", failure_mode="raise")
     tasks, each = 64, 25
-    flush_now = redis.Redis(host="127.0.0.1", port=victim.port, socket_timeout=5)
+    flush_now = victim.client()
     if race:
         flush_after_every_load(monkeypatch, flush_now)
 
@@ -786,7 +725,7 @@ def test_script_flush_under_asyncio_is_exact(
             return results
 
     try:
-        with admin(victim) as client:
+        with victim.client() as client:
             loads_before = command_calls(client, "script|load")
             evals_before = command_calls(client, "eval")
             results = asyncio.run(main())
@@ -841,7 +780,7 @@ def test_out_of_memory_follows_the_failure_mode(victim: RedisServer, key_prefix:
     # and every hit reaches the full store.
     breaker = CircuitBreaker()
     with (
-        admin(victim) as client,
+        victim.client() as client,
         Limiter.from_url(
             victim.url,
             key_prefix=key_prefix,
@@ -901,7 +840,7 @@ def test_out_of_memory_follows_the_failure_mode(victim: RedisServer, key_prefix:
 def test_hot_denied_key_costs_a_handful_of_evalsha(victim: RedisServer, key_prefix: str):
     policy = Policy("hot", "3/minute")
     with (
-        admin(victim) as client,
+        victim.client() as client,
         Limiter.from_url(
             victim.url, key_prefix=key_prefix, timeout=1.0, connect_timeout=1.0
         ) as limiter,
@@ -957,7 +896,7 @@ def test_eviction_policy_is_warned_about_once(
 ):
     caplog.set_level(logging.WARNING, logger="ratekeeper")
     policy = Policy("evict", "100/minute")
-    with admin(victim) as client:
+    with victim.client() as client:
         client.config_set("maxmemory", 100 * 1024 * 1024)
         client.config_set("maxmemory-policy", "allkeys-lru")
     with Limiter.from_url(victim.url, key_prefix=key_prefix, timeout=1.0) as limiter:
@@ -986,7 +925,7 @@ def test_noeviction_is_not_warned_about(
     victim: RedisServer, key_prefix: str, caplog: pytest.LogCaptureFixture
 ):
     caplog.set_level(logging.WARNING, logger="ratekeeper")
-    with admin(victim) as client:
+    with victim.client() as client:
         client.config_set("maxmemory", 100 * 1024 * 1024)
         client.config_set("maxmemory-policy", "noeviction")
     with Limiter.from_url(victim.url, key_prefix=key_prefix, timeout=1.0) as limiter:
@@ -1050,11 +989,11 @@ def test_one_hiccup_under_threads_is_one_fault(victim: RedisServer, key_prefix: 
     ) as limiter:
         _spend(limiter.hit, 8)
         load = Load(limiter, _hiccup_jobs(8))
-        with admin(victim) as client:
+        with victim.client() as client:
             before = command_calls(client, "evalsha")
             with load:
                 assert poll(lambda: load.hits >= 2_000, timeout=10) is not None
-                with stopped(victim):
+                with victim.frozen():
                     time.sleep(HICCUP)  # the fault itself, not a wait for something
                 count = load.hits  # then traffic with the store back
                 assert poll(lambda: load.hits > count + 2_000, timeout=10) is not None
@@ -1080,13 +1019,13 @@ def test_one_hiccup_under_asyncio_is_one_fault(
             for i in range(64):
                 assert (await limiter.hit(EXHAUSTED, f"spent-{i}")).allowed
                 assert not (await limiter.hit(EXHAUSTED, f"spent-{i}")).allowed
-            with admin(victim) as client:
+            with victim.client() as client:
                 before = command_calls(client, "evalsha")
                 load = AsyncLoad(limiter, _hiccup_jobs(64))
                 load.start()
                 try:
                     assert await apoll(lambda: len(load.samples) >= 5_000, timeout=10)
-                    with stopped(victim):
+                    with victim.frozen():
                         await asyncio.sleep(HICCUP)  # the fault; the tasks keep calling
                     count = len(load.samples)  # then traffic with the store back
                     assert await apoll(lambda: len(load.samples) > count + 5_000, timeout=10)
@@ -1138,7 +1077,7 @@ def test_asyncio_decision_waits_at_most_its_timeout(
             load.start()
             try:
                 assert await apoll(lambda: len(load.samples) >= 2_000, timeout=10)
-                with stopped(victim) as stop_at:
+                with victim.frozen() as stop_at:
                     marks["stop"] = stop_at
                     await asyncio.sleep(0.3)  # the stall; the tasks keep calling
                 count = len(load.samples)
@@ -1184,9 +1123,9 @@ def test_a_first_call_is_judged_by_its_last_round_trip(
     (NOSCRIPT, SCRIPT LOAD, EVALSHA), so its caller waits well past 20 ms, but the breaker
     times only its last round trip and stays closed; each call after it is one round trip."""
     breaker = CircuitBreaker(slow_call=0.02, min_calls=1, slow_ratio=1.0)
-    calls = StoreCalls()
+    calls = RecordingMetrics()
     policy = Policy("first-call", "100/minute")
-    with admin(victim) as client:
+    with victim.client() as client:
         client.script_flush()
     with DelayProxy(victim.port, delay=SETUP_DELAY) as proxy:
         options: dict[str, Any] = {
@@ -1215,10 +1154,10 @@ def test_a_first_call_is_judged_by_its_last_round_trip(
     record(
         f"first_call[{victim.binary.flavor}-{api}]",
         caller_waited_ms=round(waited * 1000, 1),
-        slowest_store_call_ms=round(calls.slowest * 1000, 1),
+        slowest_store_call_ms=round(max(s for s, _ in calls.store_calls) * 1000, 1),
         breaker=str(breaker.state),
     )
     assert (first.allowed, first.degraded, second.remaining) == (True, False, 98)
     assert waited > 2 * SETUP_DELAY  # the set-up took several round trips
-    assert calls.slowest < 0.02  # each judged by one round trip
+    assert max(s for s, _ in calls.store_calls) < 0.02  # each judged by one round trip
     assert breaker.state is CLOSED

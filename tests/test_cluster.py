@@ -579,27 +579,6 @@ HITS_EACH = 20
 LIMIT = 100
 
 
-def _run_processes(ctx: Any, target: Any, count: int, **kwargs: Any) -> list[dict[str, Any]]:
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=target, kwargs={**kwargs, "queue": queue}) for _ in range(count)]
-    for proc in procs:
-        proc.start()
-    try:
-        results = [queue.get(timeout=120) for _ in procs]
-    finally:
-        for proc in procs:
-            proc.join(30)
-            if proc.is_alive():
-                proc.kill()
-                proc.join(10)
-        queue.close()
-        queue.join_thread()
-    assert [proc.exitcode for proc in procs] == [0] * count
-    for result in results:
-        assert result["errors"] == []
-    return results
-
-
 @pytest.mark.parametrize("mode", ["threads", "asyncio"])
 def test_processes_admit_exactly_the_limit_on_the_cluster(cluster: Cluster, mode: str) -> None:
     """4 spawned processes x 16 threads (or asyncio tasks), 1,280 hits on one identity through
@@ -616,12 +595,12 @@ def test_processes_admit_exactly_the_limit_on_the_cluster(cluster: Cluster, mode
     }
     started = time.monotonic()
     if mode == "threads":
-        results = _run_processes(
+        results = workers.run_processes(
             ctx, workers.threaded_hits, PROCESSES, **common, threads=THREADS,
             hits_per_thread=HITS_EACH, cost=1, barrier=ctx.Barrier(PROCESSES * THREADS),
         )  # fmt: skip
     else:
-        results = _run_processes(
+        results = workers.run_processes(
             ctx, workers.async_hits, PROCESSES, **common, tasks=THREADS,
             hits_per_task=HITS_EACH, barrier=ctx.Barrier(PROCESSES),
         )  # fmt: skip

@@ -15,8 +15,9 @@ import pytest
 from ratekeeper import AsyncLimiter, Decision, Limiter, ManualClock, Policy, Rate
 from ratekeeper._decision import make_decision
 from ratekeeper._keys import KeyBuilder
+from ratekeeper.testing import decision
 
-from .conftest import MakeLimiter
+from .conftest import MakeLimiter, Pttl
 from .servers import RedisServer
 
 T0 = 1_700_000_000.0
@@ -25,26 +26,6 @@ T0 = 1_700_000_000.0
 @pytest.fixture
 def clock() -> ManualClock:
     return ManualClock(T0)
-
-
-def _decision(
-    policy: Policy,
-    rate: Rate,
-    *,
-    allowed: bool,
-    remaining: int,
-    reset_after: float,
-    retry_after: float | None = None,
-) -> Decision:
-    return Decision(
-        allowed=allowed,
-        limit=rate.limit,
-        remaining=remaining,
-        reset_after=reset_after,
-        retry_after=retry_after,
-        policy=policy.name,
-        rate=rate,
-    )
 
 
 # -- the limit -------------------------------------------------------------------------------
@@ -67,25 +48,25 @@ def test_decision_fields_exact(make_limiter: MakeLimiter, clock: ManualClock) ->
     limiter = make_limiter(clock=clock)
     policy = Policy("fields", "3 per 10 seconds")
     rate = Rate(3, 10)
-    assert limiter.hit(policy, "a") == _decision(
-        policy, rate, allowed=True, remaining=2, reset_after=10.0
+    assert limiter.hit(policy, "a") == decision(
+        True, rate=rate, remaining=2, reset_after=10.0, policy=policy.name
     )
     clock.advance(1)
-    assert limiter.hit(policy, "a") == _decision(
-        policy, rate, allowed=True, remaining=1, reset_after=10.0
+    assert limiter.hit(policy, "a") == decision(
+        True, rate=rate, remaining=1, reset_after=10.0, policy=policy.name
     )
     clock.advance(1)
-    assert limiter.hit(policy, "a") == _decision(
-        policy, rate, allowed=True, remaining=0, reset_after=10.0
+    assert limiter.hit(policy, "a") == decision(
+        True, rate=rate, remaining=0, reset_after=10.0, policy=policy.name
     )
     # The 4th hit at t+2 waits for the entry of t to leave: t + 10 - (t + 2) = 8 s.
-    assert limiter.hit(policy, "a") == _decision(
-        policy, rate, allowed=False, remaining=0, reset_after=10.0, retry_after=8.0
+    assert limiter.hit(policy, "a") == decision(
+        False, rate=rate, remaining=0, reset_after=10.0, retry_after=8.0, policy=policy.name
     )
     # Half a second later every number has moved by half a second.
     clock.advance(0.5)
-    assert limiter.peek(policy, "a") == _decision(
-        policy, rate, allowed=False, remaining=0, reset_after=9.5, retry_after=7.5
+    assert limiter.peek(policy, "a") == decision(
+        False, rate=rate, remaining=0, reset_after=9.5, retry_after=7.5, policy=policy.name
     )
 
 
@@ -117,8 +98,8 @@ def test_reset_after_follows_the_newest_entry(
     clock.advance(1)
     assert limiter.peek(policy, "a").reset_after == 9.0
     clock.advance(9)  # t+13: the newest entry (t+3) has just left
-    assert limiter.peek(policy, "a") == _decision(
-        policy, Rate(5, 10), allowed=True, remaining=5, reset_after=0.0
+    assert limiter.peek(policy, "a") == decision(
+        True, rate=Rate(5, 10), remaining=5, reset_after=0.0, policy=policy.name
     )
 
 
@@ -153,8 +134,8 @@ def test_entry_leaves_at_exactly_t_plus_period(
     clock.advance(9.999)
     assert limiter.peek(policy, "a").retry_after == pytest.approx(0.001, abs=1e-9)
     clock.advance(0.001)
-    assert limiter.peek(policy, "a") == _decision(
-        policy, Rate(1, 10), allowed=True, remaining=1, reset_after=0.0
+    assert limiter.peek(policy, "a") == decision(
+        True, rate=Rate(1, 10), remaining=1, reset_after=0.0, policy=policy.name
     )
     assert limiter.hit(policy, "a").allowed
 
@@ -198,8 +179,8 @@ def test_cost_above_remaining_is_denied_exactly_and_writes_nothing(
         clock.advance(1)
     # At t+4 a cost of 3 needs 2 entries to leave; the 2nd oldest (t+1) leaves at t+11.
     denied = limiter.hit(policy, "a", cost=3)
-    assert denied == _decision(
-        policy, Rate(5, 10), allowed=False, remaining=1, reset_after=9.0, retry_after=7.0
+    assert denied == decision(
+        False, rate=Rate(5, 10), remaining=1, reset_after=9.0, retry_after=7.0, policy=policy.name
     )
     # The denial wrote nothing: one unit is still free.
     last = limiter.hit(policy, "a")
@@ -213,8 +194,8 @@ def test_cost_above_limit_never_passes_and_writes_nothing(
     limiter = make_limiter(clock=clock)
     policy = Policy("cost-never", "5 per 10 seconds")
     never = limiter.hit(policy, "a", cost=6)
-    assert never == _decision(
-        policy, Rate(5, 10), allowed=False, remaining=5, reset_after=0.0, retry_after=math.inf
+    assert never == decision(
+        False, rate=Rate(5, 10), remaining=5, retry_after=math.inf, policy=policy.name
     )
     assert limiter.peek(policy, "a", cost=6).retry_after == math.inf
     first = limiter.hit(policy, "a")
@@ -251,8 +232,8 @@ def test_multi_rate_denial_by_longer_rate_leaves_shorter_untouched(
     assert limiter.hit(policy, "a").allowed  # t+1: the minute is now full
     assert limiter.peek(per_second, "a").remaining == 1
     denied = limiter.hit(policy, "a")  # the second has room, the minute has not
-    assert denied == _decision(
-        policy, Rate(3, 60), allowed=False, remaining=0, reset_after=60.0, retry_after=59.0
+    assert denied == decision(
+        False, rate=Rate(3, 60), remaining=0, reset_after=60.0, retry_after=59.0, policy=policy.name
     )
     # All or nothing: the per-second rate's count did not change.
     assert limiter.peek(per_second, "a").remaining == 1
@@ -291,8 +272,8 @@ def test_denial_names_the_rate_with_the_longest_wait(
     # At t+1.5 a cost of 2 is refused by both: the second waits 0.5 s (t+1 leaves at t+2),
     # the minute waits for its 2nd oldest entry (t) to leave at t+60: 58.5 s.
     denied = limiter.hit(policy, "a", cost=2)
-    assert denied == _decision(
-        policy, Rate(3, 60), allowed=False, remaining=0, reset_after=59.5, retry_after=58.5
+    assert denied == decision(
+        False, rate=Rate(3, 60), remaining=0, reset_after=59.5, retry_after=58.5, policy=policy.name
     )
 
 
@@ -306,8 +287,8 @@ def test_denial_names_the_shorter_rate_when_its_wait_is_longer(
     assert limiter.hit(policy, "a").allowed  # t+59.5
     # Both refuse: the minute frees up at t+60 (0.5 s), the second at t+60.5 (1 s).
     denied = limiter.hit(policy, "a")
-    assert denied == _decision(
-        policy, Rate(1, 1), allowed=False, remaining=0, reset_after=1.0, retry_after=1.0
+    assert denied == decision(
+        False, rate=Rate(1, 1), remaining=0, reset_after=1.0, retry_after=1.0, policy=policy.name
     )
     clock.advance(0.5)
     assert not limiter.hit(policy, "a").allowed
@@ -321,12 +302,16 @@ def test_allowed_decision_names_the_rate_with_fewest_units_left(
     limiter = make_limiter(clock=clock)
     policy = Policy("fewest", "2/second;3/minute")
     first = limiter.hit(policy, "a")
-    assert first == _decision(policy, Rate(2, 1), allowed=True, remaining=1, reset_after=1.0)
+    assert first == decision(
+        True, rate=Rate(2, 1), remaining=1, reset_after=1.0, policy=policy.name
+    )
     clock.advance(1)
     limiter.hit(policy, "a")
     clock.advance(1)
     third = limiter.hit(policy, "a")  # second: 1 left; minute: 0 left
-    assert third == _decision(policy, Rate(3, 60), allowed=True, remaining=0, reset_after=60.0)
+    assert third == decision(
+        True, rate=Rate(3, 60), remaining=0, reset_after=60.0, policy=policy.name
+    )
 
 
 # -- peek ------------------------------------------------------------------------------------
@@ -353,12 +338,12 @@ def test_peek_reports_for_a_given_cost(make_limiter: MakeLimiter, clock: ManualC
     clock.advance(2)
     limiter.hit(policy, "a")  # one at t+2
     clock.advance(1)  # t+3: 3 used, 2 free
-    assert limiter.peek(policy, "a", cost=2) == _decision(
-        policy, rate, allowed=True, remaining=2, reset_after=9.0
+    assert limiter.peek(policy, "a", cost=2) == decision(
+        True, rate=rate, remaining=2, reset_after=9.0, policy=policy.name
     )
     # cost 3 needs one entry to leave: the oldest, t, at t+10.
-    assert limiter.peek(policy, "a", cost=3) == _decision(
-        policy, rate, allowed=False, remaining=2, reset_after=9.0, retry_after=7.0
+    assert limiter.peek(policy, "a", cost=3) == decision(
+        False, rate=rate, remaining=2, reset_after=9.0, retry_after=7.0, policy=policy.name
     )
     # cost 5 needs all three to leave: the last, t+2, at t+12.
     assert limiter.peek(policy, "a", cost=5).retry_after == 9.0
@@ -379,8 +364,8 @@ def test_reset_clears_state(make_limiter: MakeLimiter, clock: ManualClock) -> No
     limiter.hit(policy, "b")
     assert not limiter.hit(policy, "a").allowed
     limiter.reset(policy, "a")
-    assert limiter.peek(policy, "a") == _decision(
-        policy, Rate(2, 3600), allowed=True, remaining=2, reset_after=0.0
+    assert limiter.peek(policy, "a") == decision(
+        True, rate=Rate(2, 3600), remaining=2, reset_after=0.0, policy=policy.name
     )
     assert limiter.hit(policy, "a").remaining == 1
     assert limiter.hit(policy, "b").remaining == 0  # b was not reset
@@ -499,30 +484,30 @@ def test_key_lives_its_longest_window_plus_a_margin(
     make_limiter: MakeLimiter,
     clock: ManualClock,
     backend: str,
-    servers: dict[str, RedisServer],
+    pttl: Pttl,
 ) -> None:
     limiter = make_limiter(clock=clock)
     policy = Policy("ttl", "1/second;2 per 30 seconds")
     (key,) = limiter.keys(policy, "a")
-    assert _pttl(limiter, backend, servers, key) == -2
+    assert pttl(limiter, key) == -2
     limiter.hit(policy, "a")
     if backend == "memory://":
         # The memory keyspace runs on the manual clock: exact, and a denial does not extend it.
-        assert _pttl(limiter, backend, servers, key) == 31_000
+        assert pttl(limiter, key) == 31_000
         clock.advance(0.5)
         assert not limiter.hit(policy, "a").allowed
         limiter.peek(policy, "a")
-        assert _pttl(limiter, backend, servers, key) == 30_500
+        assert pttl(limiter, key) == 30_500
     else:
         # A server's keys expire in real time, which has barely moved.
-        assert 30_000 < _pttl(limiter, backend, servers, key) <= 31_000
+        assert 30_000 < pttl(limiter, key) <= 31_000
 
 
 def test_a_log_written_by_a_clock_behind_lives_until_its_newest_entry_leaves(
     make_limiter: MakeLimiter,
     clock: ManualClock,
     backend: str,
-    servers: dict[str, RedisServer],
+    pttl: Pttl,
 ) -> None:
     """A client 4 s behind the newest entry stamps its own with that newest time (the sliding
     log stays in time order), and the key's TTL runs from it: 4 s + the window + the margin."""
@@ -534,22 +519,9 @@ def test_a_log_written_by_a_clock_behind_lives_until_its_newest_entry_leaves(
     clock.set(T0)
     assert limiter.hit(policy, "a").reset_after == 14.0
     if backend == "memory://":
-        assert _pttl(limiter, backend, servers, key) == 15_000
+        assert pttl(limiter, key) == 15_000
     else:
-        assert 14_000 < _pttl(limiter, backend, servers, key) <= 15_000
-
-
-def _pttl(limiter: Any, backend: str, servers: dict[str, RedisServer], key: str) -> int:
-    if backend == "memory://":
-        storage = limiter.storage if isinstance(limiter, Limiter) else limiter.limiter.storage
-        storage = getattr(storage, "sync", storage)
-        return int(storage.pttl(key))
-    (server,) = [s for s in servers.values() if s.url == backend]
-    client = server.client()
-    try:
-        return int(client.pttl(key))
-    finally:
-        client.close()
+        assert 14_000 < pttl(limiter, key) <= 15_000
 
 
 # -- server time -----------------------------------------------------------------------------
@@ -577,29 +549,25 @@ def _redis_options(backend: str, name: str) -> dict[str, Any]:
     return {"redis_options": {"client_name": name}}
 
 
-def _connected(servers: dict[str, RedisServer], backend: str, name: str) -> int:
-    """How many connections named ``name`` the server of ``backend`` has."""
-    (server,) = [s for s in servers.values() if s.url == backend]
-    client = server.client()
-    try:
+def _connected(server: RedisServer, name: str) -> int:
+    """How many connections named ``name`` ``server`` has."""
+    with server.client() as client:
         return sum(1 for c in client.client_list() if c.get("name") == name)
-    finally:
-        client.close()
 
 
-def _wait_disconnected(servers: dict[str, RedisServer], backend: str, name: str) -> int:
+def _wait_disconnected(server: RedisServer, name: str) -> int:
     # The server sees the close asynchronously; each CLIENT LIST is a round trip it must
     # serve after having read the FIN, so a bounded number of polls settles it.
     count = 0
     for _ in range(500):
-        count = _connected(servers, backend, name)
+        count = _connected(server, name)
         if count == 0:
             break
     return count
 
 
 def test_sync_context_manager_closes(
-    backend: str, key_prefix: str, servers: dict[str, RedisServer]
+    backend: str, key_prefix: str, backend_server: RedisServer | None
 ) -> None:
     name = f"rk-close-{key_prefix}"
     policy = Policy("close", "2/minute")
@@ -610,15 +578,15 @@ def test_sync_context_manager_closes(
         if backend == "memory://":
             assert len(limiter.storage) == 1
         else:
-            assert _connected(servers, backend, name) == 1
+            assert _connected(backend_server, name) == 1
     if backend == "memory://":
         assert len(limiter.storage) == 0
     else:
-        assert _wait_disconnected(servers, backend, name) == 0
+        assert _wait_disconnected(backend_server, name) == 0
 
 
 def test_async_context_manager_closes(
-    backend: str, key_prefix: str, servers: dict[str, RedisServer]
+    backend: str, key_prefix: str, backend_server: RedisServer | None
 ) -> None:
     name = f"rk-aclose-{key_prefix}"
     policy = Policy("aclose", "2/minute")
@@ -631,7 +599,7 @@ def test_async_context_manager_closes(
             if backend == "memory://":
                 inside = len(limiter.storage.sync)  # type: ignore[attr-defined]
             else:
-                inside = _connected(servers, backend, name)
+                inside = _connected(backend_server, name)
         return limiter, decisions, inside
 
     limiter, decisions, inside = asyncio.run(main())
@@ -640,7 +608,7 @@ def test_async_context_manager_closes(
     if backend == "memory://":
         assert len(limiter.storage.sync) == 0  # type: ignore[attr-defined]
     else:
-        assert _wait_disconnected(servers, backend, name) == 0
+        assert _wait_disconnected(backend_server, name) == 0
 
 
 @pytest.mark.parametrize(

@@ -14,34 +14,19 @@ from __future__ import annotations
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
-import tempfile
-import threading
 import uuid
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from pathlib import Path
 
 import httpx
 import pytest
 
-from .processes import log_text, wait_until
-from .servers import RedisServer, free_port
-
-ROOT = Path(__file__).resolve().parent.parent
-THREADS = 8
+from .http_servers import ROOT, Reply, hammer, web_process
+from .servers import RedisServer
 
 pytestmark = pytest.mark.usefixtures("binaries")
-
-
-@dataclass(frozen=True)
-class Reply:
-    status: int
-    headers: httpx.Headers
-    body: bytes
 
 
 @dataclass(frozen=True)
@@ -63,73 +48,30 @@ def _command(kind: str, port: int) -> list[str]:
     ]  # fmt: skip
 
 
-def _health(http: httpx.Client) -> str | None:
-    try:
-        reply = http.get("/health")
-    except httpx.TransportError:
-        return None
-    return reply.headers.get("x-worker-pid") if reply.status_code == 200 else None
-
-
 @pytest.fixture(scope="module", params=["gunicorn", "uvicorn"])
 def served(request: pytest.FixtureRequest, private_server: RedisServer) -> Iterator[Served]:
     """The test project under ``gunicorn --workers 2`` (WSGI) or ``uvicorn --workers 2``
     (ASGI), until both workers have answered."""
     kind = request.param
-    port = free_port()
     env = {
-        **os.environ,
         "RATEKEEPER_DJANGO_STORAGE_URL": private_server.url,
         "RATEKEEPER_DJANGO_KEY_PREFIX": f"dj-{kind}-{uuid.uuid4().hex[:8]}",
     }
-    env.pop("WEB_CONCURRENCY", None)
-    with tempfile.TemporaryFile() as log:
-        proc = subprocess.Popen(
-            _command(kind, port), cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )  # fmt: skip
-        try:
-            url = f"http://127.0.0.1:{port}"
-            pids: set[str] = set()
-            limits = httpx.Limits(max_keepalive_connections=0)  # a new connection each time
-            with httpx.Client(base_url=url, timeout=5, limits=limits) as http:
+    with web_process(lambda port: _command(kind, port), kind, env=env) as running:
+        pids: set[str] = set()
 
-                def both_workers() -> bool:
-                    pid = _health(http)
-                    if pid is not None:
-                        pids.add(pid)
-                    return len(pids) >= 2
+        def both_workers() -> bool:
+            try:  # a new connection each time, so that either worker may take it
+                reply = httpx.get(f"{running.url}/health", timeout=5)
+            except httpx.TransportError:
+                return False
+            if reply.status_code == 200:
+                pids.add(reply.headers["x-worker-pid"])
+            return len(pids) >= 2
 
-                wait_until(both_workers, proc, log, kind)
-            yield Served(kind, url, frozenset(pids))
-        finally:
-            if proc.poll() is None:
-                proc.terminate()
-                try:
-                    proc.wait(30)
-                except subprocess.TimeoutExpired:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                    proc.wait(10)
-            assert "Traceback" not in log_text(log), log_text(log)[-3000:]
-
-
-def hammer(url: str, path: str, headers: dict[str, str], count: int) -> list[Reply]:
-    """``count`` GETs from ``THREADS`` threads released at once, each on a new connection."""
-    start = threading.Barrier(THREADS)
-
-    def run(n: int) -> list[Reply]:
-        limits = httpx.Limits(max_keepalive_connections=0)
-        with httpx.Client(base_url=url, timeout=30, limits=limits) as http:
-            start.wait(30)
-            out = []
-            for _ in range(n):
-                r = http.get(path, headers=headers)
-                out.append(Reply(r.status_code, r.headers, r.content))
-            return out
-
-    shares = [count // THREADS + (i < count % THREADS) for i in range(THREADS)]
-    with ThreadPoolExecutor(THREADS) as pool:
-        return [reply for replies in pool.map(run, shares) for reply in replies]
+        running.wait_until(both_workers, f"{kind}'s 2 workers")
+        yield Served(kind, running.url, frozenset(pids))
+    assert "Traceback" not in running.output(), running.output()[-3000:]
 
 
 def check_exact(replies: list[Reply], policy: str, limit: int, served: Served) -> None:
@@ -163,11 +105,11 @@ def check_exact(replies: list[Reply], policy: str, limit: int, served: Served) -
 
 def test_the_middleware_from_settings_admits_exactly_the_limit(served: Served):
     key = {"X-API-Key": f"mw-{uuid.uuid4()}"}
-    check_exact(hammer(served.url, "/api/items", key, 40), "dj-api", 12, served)
+    check_exact(hammer(served.url, "/api/items", [key] * 40), "dj-api", 12, served)
     # Another identity has its own budget; the exempt path is never limited.
     other = {"X-API-Key": f"mw-{uuid.uuid4()}"}
-    check_exact(hammer(served.url, "/api/items", other, 16), "dj-api", 12, served)
-    health = hammer(served.url, "/health", key, 24)
+    check_exact(hammer(served.url, "/api/items", [other] * 16), "dj-api", 12, served)
+    health = hammer(served.url, "/health", [key] * 24)
     assert {r.status for r in health} == {200}
     assert not [r for r in health if "ratelimit" in r.headers]
 
@@ -177,14 +119,14 @@ def test_the_middleware_from_settings_admits_exactly_the_limit(served: Served):
 )
 def test_the_decorator_admits_exactly_the_limit(served: Served, path: str, policy: str, limit: int):
     key = {"X-API-Key": f"view-{uuid.uuid4()}"}
-    replies = hammer(served.url, path, key, 32)
+    replies = hammer(served.url, path, [key] * 32)
     check_exact(replies, policy, limit, served)
     # The view saw its decision in request.ratekeeper.
     assert {json.loads(r.body)["decisions"] for r in replies if r.status == 200} == {1}
 
 
 def test_both_workers_serve_and_share_one_store(served: Served):
-    pids = {r.headers["x-worker-pid"] for r in hammer(served.url, "/health", {}, 48)}
+    pids = {r.headers["x-worker-pid"] for r in hammer(served.url, "/health", [{}] * 48)}
     assert pids == served.worker_pids
     assert len(pids) == 2
 

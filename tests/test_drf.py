@@ -26,6 +26,7 @@ from rest_framework.views import APIView  # noqa: E402
 from ratekeeper import ManualClock  # noqa: E402
 from ratekeeper.drf import RatekeeperThrottle  # noqa: E402
 
+from . import workers  # noqa: E402
 from .django_project.drf_workers import hammer  # noqa: E402
 from .servers import RedisServer  # noqa: E402
 
@@ -40,20 +41,12 @@ def run_processes(url: str) -> dict[str, list[int]]:
     view, then DRF's, the threads of every process released together for each; every status
     per view."""
     ctx = multiprocessing.get_context("spawn")
-    barrier = ctx.Barrier(PROCESSES * THREADS)  # reused: once per view
-    results = ctx.Queue()
-    prefix = f"drf-{uuid.uuid4().hex[:8]}"
     views = ("ratekeeper", "drf")
-    args = (url, prefix, views, THREADS, PER_THREAD, barrier, results)
-    procs = [ctx.Process(target=hammer, args=args) for _ in range(PROCESSES)]
-    for proc in procs:
-        proc.start()
-    reports = [results.get(timeout=300) for _ in procs]
-    for proc in procs:
-        proc.join(60)
-        assert proc.exitcode == 0
-    assert [r["errors"] for r in reports] == [[]] * PROCESSES
-    assert len({r["pid"] for r in reports}) == PROCESSES
+    reports = workers.run_processes(
+        ctx, hammer, PROCESSES, timeout=300, url=url, key_prefix=f"drf-{uuid.uuid4().hex[:8]}",
+        view_names=views, threads=THREADS, per_thread=PER_THREAD,
+        barrier=ctx.Barrier(PROCESSES * THREADS),  # reused: once per view
+    )  # fmt: skip
     return {view: [s for r in reports for s in r["statuses"][view]] for view in views}
 
 

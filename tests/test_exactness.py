@@ -30,31 +30,6 @@ PROCESSES = 4
 THREADS = 16
 HITS_EACH = 20
 LIMIT = 100
-START_TIMEOUT = 120.0
-
-
-def _run_processes(ctx: Any, target: Any, count: int, **kwargs: Any) -> list[dict[str, Any]]:
-    """Start ``count`` processes running ``target(**kwargs)``, collect one result from each and
-    reap them all."""
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=target, kwargs={**kwargs, "queue": queue}) for _ in range(count)]
-    for proc in procs:
-        proc.start()
-    try:
-        results = [queue.get(timeout=START_TIMEOUT) for _ in procs]
-    finally:
-        for proc in procs:
-            proc.join(30)
-            if proc.is_alive():
-                proc.kill()
-                proc.join(10)
-        queue.close()
-        queue.join_thread()
-    assert [proc.exitcode for proc in procs] == [0] * len(procs)
-    assert len({result["pid"] for result in results}) == len(procs)
-    for result in results:
-        assert result["errors"] == []
-    return results
 
 
 def _log_length(url: str, limiter: Limiter, policy: Policy, identity: str) -> int:
@@ -92,7 +67,7 @@ def test_processes_times_threads_admit_exactly_the_limit(server: RedisServer, ke
     """4 spawned processes x 16 threads, 1,280 hits on one identity: exactly 100 pass."""
     ctx = multiprocessing.get_context("spawn")
     policy = Policy("exact", f"{LIMIT}/minute")
-    results = _run_processes(
+    results = workers.run_processes(
         ctx,
         workers.threaded_hits,
         PROCESSES,
@@ -117,7 +92,7 @@ def test_processes_times_async_tasks_admit_exactly_the_limit(
     with batching on (the default) and off."""
     ctx = multiprocessing.get_context("spawn")
     policy = Policy("exact", f"{LIMIT}/minute")
-    results = _run_processes(
+    results = workers.run_processes(
         ctx,
         workers.async_hits,
         PROCESSES,
@@ -196,7 +171,7 @@ def _run_rounds(server: RedisServer, mode: str) -> tuple[str, list[dict[str, Any
         "identity": "shared",
     }
     if mode == "threads":
-        results = _run_processes(
+        results = workers.run_processes(
             ctx,
             workers.threaded_rounds,
             PROCESSES,
@@ -206,7 +181,7 @@ def _run_rounds(server: RedisServer, mode: str) -> tuple[str, list[dict[str, Any
             barrier=ctx.Barrier(PROCESSES * THREADS),
         )
     else:
-        results = _run_processes(
+        results = workers.run_processes(
             ctx,
             workers.async_rounds,
             PROCESSES,
@@ -306,7 +281,7 @@ def test_processes_times_threads_never_hold_more_leases_than_the_limit(
     rates = f"{LEASES} per 60 seconds"
     policy = Policy("leases", rates, algorithm="concurrency")
     in_flight = ctx.Array("i", 2)
-    results = _run_processes(
+    results = workers.run_processes(
         ctx,
         workers.threaded_leases,
         PROCESSES,
@@ -363,7 +338,7 @@ def test_forked_children_do_not_reuse_the_parents_log_members(server: RedisServe
         # Advance the parent's token counter, on an identity of its own.
         for _ in range(5):
             assert limiter.hit(policy, "parent").allowed
-        results = _run_processes(
+        results = workers.run_processes(
             multiprocessing.get_context("fork"),
             workers.sequential_hits,
             PROCESSES,

@@ -1,19 +1,17 @@
 """Failure modes against a dead store, request-caused errors, and the deny cache.
 
 The dead store is real: a loopback port where nothing listens (connections are refused at
-once), or a private server killed with SIGKILL. The breakers here run on a fake clock, so
-"while the breaker is open" lasts exactly as long as a test says. Live stores are private
-servers started for this module, so ``CONFIG RESETSTAT`` and ``INFO commandstats`` see only
-this module's calls.
+once), or a live server killed with SIGKILL. The breakers here run on a fake clock, so
+"while the breaker is open" lasts exactly as long as a test says. Live stores are the module's
+own servers (``own_server``, running again after a test kills one), so ``CONFIG RESETSTAT``
+and ``INFO commandstats`` see only this module's calls.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import subprocess
 import sys
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -34,10 +32,7 @@ from ratekeeper._breaker import BreakerState, CircuitBreaker
 from ratekeeper._errors import RequestRejected
 
 from .figures import record
-from .private_servers import private_servers
-from .servers import RedisServer, ServerBinary, command_calls, find_binaries, free_port
-
-FLAVORS = [binary.flavor for binary in find_binaries()]
+from .servers import RedisServer, command_calls, free_port
 
 #: Short deadlines: a dead store is detected quickly.
 SHORT = {"timeout": 0.05, "connect_timeout": 0.05}
@@ -56,24 +51,10 @@ def dead_url() -> str:
     return f"redis://127.0.0.1:{free_port()}/0"
 
 
-@pytest.fixture(scope="module")
-def live_servers() -> Iterator[dict[str, RedisServer]]:
-    with private_servers() as started:
-        yield started
-
-
-@pytest.fixture(params=FLAVORS)
-def live(request: pytest.FixtureRequest, live_servers: dict[str, RedisServer]) -> RedisServer:
-    return live_servers[request.param]
-
-
-@contextlib.contextmanager
-def admin_client(server: RedisServer) -> Iterator[redis.Redis]:
-    client = server.client()
-    try:
-        yield client
-    finally:
-        client.close()
+@pytest.fixture
+def live(own_server: RedisServer) -> RedisServer:
+    """One of the module's own servers: its command statistics count this module's calls."""
+    return own_server
 
 
 def reasons(decisions: list[Decision]) -> list[str | None]:
@@ -96,24 +77,19 @@ def test_open_allows_degraded_then_breaker_open(dead_url: str, key_prefix: str):
     assert all(d.retry_after is None and d.limit == 2 and d.policy == "fm-open" for d in decisions)
 
 
-@pytest.mark.parametrize("binary", find_binaries(), ids=lambda b: b.flavor)
-def test_open_on_a_killed_server_with_a_pooled_connection(binary: ServerBinary, key_prefix: str):
+def test_open_on_a_killed_server_with_a_pooled_connection(live: RedisServer, key_prefix: str):
     """A server that was up and dies: the pooled connection breaks, reconnects are refused."""
-    server = RedisServer(binary).start()
-    try:
-        breaker, _ = fake_breaker(consecutive_failures=3)
-        policy = Policy("fm-killed", "2/minute")
-        with Limiter.from_url(
-            server.url, key_prefix=key_prefix, failure_mode="open", breaker=breaker, **SHORT
-        ) as limiter:
-            assert limiter.hit(policy, "a").reason is None
-            assert limiter.hit(policy, "a").reason is None
-            assert not limiter.hit(policy, "a").allowed  # the store enforces
-            limiter.reset(policy, "a")  # no cached denial: the next hits go to the store
-            server.kill()
-            decisions = [limiter.hit(policy, "a") for _ in range(5)]
-    finally:
-        server.stop()
+    breaker, _ = fake_breaker(consecutive_failures=3)
+    policy = Policy("fm-killed", "2/minute")
+    with Limiter.from_url(
+        live.url, key_prefix=key_prefix, failure_mode="open", breaker=breaker, **SHORT
+    ) as limiter:
+        assert limiter.hit(policy, "a").reason is None
+        assert limiter.hit(policy, "a").reason is None
+        assert not limiter.hit(policy, "a").allowed  # the store enforces
+        limiter.reset(policy, "a")  # no cached denial: the next hits go to the store
+        live.kill()
+        decisions = [limiter.hit(policy, "a") for _ in range(5)]
     assert all(d.allowed and d.degraded for d in decisions)
     assert reasons(decisions) == ["unavailable/open"] * 3 + ["breaker_open/open"] * 2
 
@@ -327,7 +303,7 @@ def test_wrongtype_is_raised_not_failed_open(live: RedisServer, key_prefix: str,
     breaker = CircuitBreaker(consecutive_failures=1, min_calls=1)
     policy = Policy("wrongtype", "5/minute")
     with (
-        admin_client(live) as admin,
+        live.client() as admin,
         Limiter.from_url(
             live.url, key_prefix=key_prefix, failure_mode=mode, breaker=breaker, **PATIENT
         ) as limiter,
@@ -357,7 +333,7 @@ def test_a_rejected_probe_does_not_hold_back_recovery(live: RedisServer, key_pre
     breaker, clock = fake_breaker(consecutive_failures=2, open_for=8.0, max_open_for=30.0)
     policy = Policy("rejected-probe", "5/minute")
     with (
-        admin_client(live) as admin,
+        live.client() as admin,
         Limiter.from_url(live.url, key_prefix=key_prefix, breaker=breaker, **PATIENT) as limiter,
     ):
         admin.set(limiter.keys(policy, "bad")[0], "a plain string")
@@ -391,7 +367,7 @@ def test_wrongtype_is_raised_async(live: RedisServer, key_prefix: str):
         finally:
             await limiter.close()
 
-    with admin_client(live) as admin:
+    with live.client() as admin:
         asyncio.run(main(admin))
 
 
@@ -422,7 +398,7 @@ def test_deny_cache_answers_exactly_as_the_store(live: RedisServer, key_prefix: 
     clock = ManualClock(1_700_000_000.0)
     policy = Policy("dc-exact", "3/minute", algorithm)
     with (
-        admin_client(live) as admin,
+        live.client() as admin,
         # A max age past the wait: the cache alone answers the whole wait (the default, 1 s,
         # asks the store again each second; see test_a_reset_elsewhere_reaches_...).
         Limiter.from_url(
@@ -472,7 +448,7 @@ def test_deny_cache_flood_costs_at_most_a_handful_of_evalsha(live: RedisServer, 
     clock = ManualClock()
     policy = Policy("dc-flood", "3/minute")
     with (
-        admin_client(live) as admin,
+        live.client() as admin,
         Limiter.from_url(live.url, key_prefix=key_prefix, clock=clock, **PATIENT) as limiter,
     ):
         assert [limiter.hit(policy, "hot").allowed for _ in range(3)] == [True] * 3
@@ -504,7 +480,7 @@ def test_deny_cache_async(live: RedisServer, key_prefix: str):
         finally:
             await limiter.close()
 
-    with admin_client(live) as admin:
+    with live.client() as admin:
         asyncio.run(main(admin))
 
 
@@ -527,7 +503,7 @@ def test_only_denials_of_cost_1_are_cached(live: RedisServer, key_prefix: str):
     clock = ManualClock()
     policy = Policy("dc-cost", "3/minute")
     with (
-        admin_client(live) as admin,
+        live.client() as admin,
         Limiter.from_url(live.url, key_prefix=key_prefix, clock=clock, **PATIENT) as limiter,
     ):
         assert limiter.hit(policy, "a", cost=2).allowed
@@ -549,7 +525,7 @@ def test_concurrency_policies_are_never_cached(live: RedisServer, key_prefix: st
     clock = ManualClock()
     policy = Policy("dc-leases", "2/minute", "concurrency")
     with (
-        admin_client(live) as admin,
+        live.client() as admin,
         Limiter.from_url(live.url, key_prefix=key_prefix, clock=clock, **PATIENT) as limiter,
     ):
         held = [limiter.acquire(policy, "a") for _ in range(2)]
@@ -569,7 +545,7 @@ def test_deny_cache_zero_turns_it_off(live: RedisServer, key_prefix: str):
     clock = ManualClock()
     policy = Policy("dc-off", "3/minute")
     with (
-        admin_client(live) as admin,
+        live.client() as admin,
         Limiter.from_url(
             live.url, key_prefix=key_prefix, clock=clock, deny_cache=0, **PATIENT
         ) as limiter,

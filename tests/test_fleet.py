@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import multiprocessing
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -27,22 +26,14 @@ from ratekeeper._scripts import load_script
 from ratekeeper._storage import open_sync
 from ratekeeper._storage.memory import MemoryStorage
 
-from .servers import RedisServer, ServerBinary, find_binaries
+from . import workers
+from .servers import RedisServer, ServerBinary, command_calls, find_binaries
 
 BINARIES = find_binaries()
 FLAVORS = [binary.flavor for binary in BINARIES]
 SHORT = {"timeout": 0.2, "connect_timeout": 0.2}
 LIMIT = 60
 POLICY = Policy("fleet-share", f"{LIMIT}/minute")
-
-
-@pytest.fixture(params=BINARIES, ids=FLAVORS)
-def private(request: pytest.FixtureRequest) -> Iterator[RedisServer]:
-    server = RedisServer(request.param).start()
-    try:
-        yield server
-    finally:
-        server.stop()
 
 
 # --- configuration --------------------------------------------------------------------------
@@ -87,16 +78,6 @@ def _beat_args(now_us: int, member: str, ttl_us: int) -> tuple[int | str, ...]:
     )
 
 
-@pytest.fixture(scope="module")
-def shared_private() -> Iterator[dict[str, RedisServer]]:
-    started = {b.flavor: RedisServer(b).start() for b in BINARIES}
-    try:
-        yield started
-    finally:
-        for server in started.values():
-            server.stop()
-
-
 beats = st.lists(
     st.tuples(st.integers(0, 5), st.integers(0, 4_000_000), st.integers(1_000, 5_000_000)),
     min_size=1,
@@ -108,52 +89,50 @@ beats = st.lists(
 @settings(max_examples=40, deadline=None)
 @given(sequence=beats)
 def test_script_and_reference_agree(
-    shared_private: dict[str, RedisServer], flavor: str, sequence: list[tuple[int, int, int]]
+    own_servers: dict[str, RedisServer], flavor: str, sequence: list[tuple[int, int, int]]
 ):
     """Random heartbeats (member, clock step, ttl): the same counts, the same members and
     expiries, and a key TTL of the last membership TTL plus the margin on both."""
-    server = shared_private[flavor]
+    server = own_servers[flavor]
     key = KeyBuilder("fleet-prop").fleet_key()
     script = load_script("fleet")
     memory = MemoryStorage()
-    admin = server.client()
     storage = open_sync(server.url, timeout=5, connect_timeout=5)
-    try:
-        admin.delete(key)
-        now = 1_700_000_000_000_000
-        for member, step, ttl in sequence:
-            now += step
-            args = _beat_args(now, f"m{member}", ttl)
-            assert storage.run(script, (key,), args) == memory.run(script, (key,), args)
-        stored = {m.decode(): int(s) for m, s in admin.zrange(key, 0, -1, withscores=True)}
-        assert stored == memory._keyspace.get(key, now)
-        longest = max(stored.values()) - now
-        assert 0 < admin.pttl(key) <= -(-longest // 1000) + 1000
-    finally:
-        storage.close()
-        admin.close()
+    with server.client() as admin:
+        try:
+            admin.delete(key)
+            now = 1_700_000_000_000_000
+            for member, step, ttl in sequence:
+                now += step
+                args = _beat_args(now, f"m{member}", ttl)
+                assert storage.run(script, (key,), args) == memory.run(script, (key,), args)
+            stored = {m.decode(): int(s) for m, s in admin.zrange(key, 0, -1, withscores=True)}
+            assert stored == memory._keyspace.get(key, now)
+            longest = max(stored.values()) - now
+            assert 0 < admin.pttl(key) <= -(-longest // 1000) + 1000
+        finally:
+            storage.close()
 
 
 @pytest.mark.parametrize("flavor", FLAVORS)
-def test_on_the_servers_clock(shared_private: dict[str, RedisServer], flavor: str):
+def test_on_the_servers_clock(own_servers: dict[str, RedisServer], flavor: str):
     """now = 0: the script stamps members with TIME; two ids count 2, one id beating twice 1."""
-    server = shared_private[flavor]
+    server = own_servers[flavor]
     key = KeyBuilder("fleet-time").fleet_key()
     script = load_script("fleet")
-    admin = server.client()
     storage = open_sync(server.url, timeout=5, connect_timeout=5)
-    try:
-        admin.delete(key)
-        assert storage.run(script, (key,), _beat_args(0, "a", 3_000_000)) == [1]
-        assert storage.run(script, (key,), _beat_args(0, "a", 3_000_000)) == [1]
-        assert storage.run(script, (key,), _beat_args(0, "b", 3_000_000)) == [2]
-        seconds, micros = admin.time()
-        for _, expiry in admin.zrange(key, 0, -1, withscores=True):
-            assert 0 < expiry - (seconds * 1_000_000 + micros) <= 3_000_000
-        assert 3_000 < admin.pttl(key) <= 4_000
-    finally:
-        storage.close()
-        admin.close()
+    with server.client() as admin:
+        try:
+            admin.delete(key)
+            assert storage.run(script, (key,), _beat_args(0, "a", 3_000_000)) == [1]
+            assert storage.run(script, (key,), _beat_args(0, "a", 3_000_000)) == [1]
+            assert storage.run(script, (key,), _beat_args(0, "b", 3_000_000)) == [2]
+            seconds, micros = admin.time()
+            for _, expiry in admin.zrange(key, 0, -1, withscores=True):
+                assert 0 < expiry - (seconds * 1_000_000 + micros) <= 3_000_000
+            assert 3_000 < admin.pttl(key) <= 4_000
+        finally:
+            storage.close()
 
 
 # --- the share following the fleet --------------------------------------------------------------
@@ -207,11 +186,11 @@ def _beat_rounds(fleet: list[Instance], clock: ManualClock, rounds: int = 2) -> 
             instance.decide()
 
 
-def test_the_auto_share_follows_a_fleet_of_2_6_then_3(private: RedisServer, key_prefix: str):
+def test_the_auto_share_follows_a_fleet_of_2_6_then_3(own_server: RedisServer, key_prefix: str):
     clock, breaker_clock = ManualClock(), ManualClock(100.0)
-    admin = private.client()
+    admin = own_server.client()
     fleet_key = KeyBuilder(key_prefix).fleet_key()
-    fleet = [Instance(private.url, key_prefix, clock, breaker_clock) for _ in range(2)]
+    fleet = [Instance(own_server.url, key_prefix, clock, breaker_clock) for _ in range(2)]
     try:
         # Before any heartbeat the count is unknown, and the share would be nothing.
         assert [i.count for i in fleet] == [None, None]
@@ -219,27 +198,27 @@ def test_the_auto_share_follows_a_fleet_of_2_6_then_3(private: RedisServer, key_
         assert [i.count for i in fleet] == [2, 2]
         assert admin.zcard(fleet_key) == 2
 
-        private.kill()
+        own_server.kill()
         assert [i.admitted_while_down("down-2", 40) for i in fleet] == [30, 30]
 
         # Store back (empty), scaled up to 6, heartbeats: the next outage shares by 6.
         clock.advance(10)
-        private.start()
+        own_server.start()
         for instance in fleet:
             instance.recover()
-        fleet += [Instance(private.url, key_prefix, clock, breaker_clock) for _ in range(4)]
+        fleet += [Instance(own_server.url, key_prefix, clock, breaker_clock) for _ in range(4)]
         _beat_rounds(fleet, clock)
         assert [i.count for i in fleet] == [6] * 6
         assert admin.zcard(fleet_key) == 6
         assert len(set(admin.zrange(fleet_key, 0, -1))) == 6  # each its own instance id
 
-        private.kill()
+        own_server.kill()
         admitted = [i.admitted_while_down("down-6", 15) for i in fleet]
         assert admitted == [10] * 6
         assert sum(admitted) == LIMIT
 
         # Store back; 3 instances stop. Their members expire after the TTL (3 s) on the clock.
-        private.start()
+        own_server.start()
         for instance in fleet:
             instance.recover()
         _beat_rounds(fleet, clock, rounds=1)
@@ -257,7 +236,7 @@ def test_the_auto_share_follows_a_fleet_of_2_6_then_3(private: RedisServer, key_
         assert zcards == [6, 6, 3, 3, 3, 3]
         assert counts == [[6, 6, 6]] * 5 + [[3, 3, 3]]
 
-        private.kill()
+        own_server.kill()
         admitted = [i.admitted_while_down("down-3", 25) for i in fleet]
         assert admitted == [20] * 3
         assert sum(admitted) == LIMIT
@@ -267,11 +246,11 @@ def test_the_auto_share_follows_a_fleet_of_2_6_then_3(private: RedisServer, key_
             instance.limiter.close()
 
 
-def test_no_count_yet_denies(private: RedisServer, key_prefix: str):
+def test_no_count_yet_denies(own_server: RedisServer, key_prefix: str):
     """An instance that never saw a heartbeat grants nothing in an outage, as closed would: one
     instance granting the whole limit would multiply it by the fleet's size."""
-    url = private.url
-    private.kill()
+    url = own_server.url
+    own_server.kill()
     with Limiter.from_url(
         url, key_prefix=key_prefix, failure_mode="local", local_share="auto", **SHORT
     ) as limiter:
@@ -281,7 +260,7 @@ def test_no_count_yet_denies(private: RedisServer, key_prefix: str):
     assert decisions[0].reason == "unavailable/local"
 
 
-def test_a_limit_smaller_than_the_fleet_grants_nothing(private: RedisServer, key_prefix: str):
+def test_a_limit_smaller_than_the_fleet_grants_nothing(own_server: RedisServer, key_prefix: str):
     """limit // N rounds to 0: never more than the limit across the fleet, so nothing."""
     clock = ManualClock()
     small = Policy("fleet-small", "2/minute")
@@ -292,13 +271,13 @@ def test_a_limit_smaller_than_the_fleet_grants_nothing(private: RedisServer, key
         "local_share": "auto",
         **SHORT,
     }
-    limiters = [Limiter.from_url(private.url, **options) for _ in range(3)]
+    limiters = [Limiter.from_url(own_server.url, **options) for _ in range(3)]
     try:
         for _ in range(2):
             clock.advance(1)
             for limiter in limiters:
                 limiter.hit(small, "warm")
-        private.kill()
+        own_server.kill()
         assert [limiters[0].hit(small, "x").allowed for _ in range(2)] == [False, False]
         assert [limiters[0].hit(POLICY, "x").allowed for _ in range(21)] == [True] * 20 + [False]
     finally:
@@ -306,42 +285,40 @@ def test_a_limit_smaller_than_the_fleet_grants_nothing(private: RedisServer, key
             limiter.close()
 
 
-def test_heartbeats_at_most_once_per_interval(private: RedisServer, key_prefix: str):
-    admin = private.client()
+def test_heartbeats_at_most_once_per_interval(own_server: RedisServer, key_prefix: str):
     clock = ManualClock()
-    try:
-        with Limiter.from_url(
-            private.url,
+    with (
+        own_server.client() as admin,
+        Limiter.from_url(
+            own_server.url,
             key_prefix=key_prefix,
             clock=clock,
             failure_mode="local",
             local_share=AutoShare(heartbeat=2.0),
             **SHORT,
-        ) as limiter:
-            counter = Policy("fleet-counter", "100/minute", "fixed_window")
-            admin.config_resetstat()
-            for _ in range(5):
-                limiter.hit(counter, "a")
-            clock.advance(1.9)
+        ) as limiter,
+    ):
+        counter = Policy("fleet-counter", "100/minute", "fixed_window")
+        admin.config_resetstat()
+        for _ in range(5):
             limiter.hit(counter, "a")
-            clock.advance(0.1)
-            limiter.hit(counter, "a")
-        stats: dict[str, Any] = admin.info("commandstats")
+        clock.advance(1.9)
+        limiter.hit(counter, "a")
+        clock.advance(0.1)
+        limiter.hit(counter, "a")
         # 7 decisions; 2 heartbeats: with the first decision, and 2 s later
-        assert stats["cmdstat_hmget"]["calls"] == 7
-        assert stats["cmdstat_zadd"]["calls"] == 2
-        assert stats["cmdstat_zcard"]["calls"] == 2
-    finally:
-        admin.close()
+        assert command_calls(admin, "hmget") == 7
+        assert command_calls(admin, "zadd") == 2
+        assert command_calls(admin, "zcard") == 2
 
 
-def test_the_async_share_follows_the_fleet(private: RedisServer, key_prefix: str):
+def test_the_async_share_follows_the_fleet(own_server: RedisServer, key_prefix: str):
     clock = ManualClock()
 
     async def main() -> list[int]:
         limiters = [
             AsyncLimiter.from_url(
-                private.url,
+                own_server.url,
                 key_prefix=key_prefix,
                 clock=clock,
                 failure_mode="local",
@@ -359,7 +336,7 @@ def test_the_async_share_follows_the_fleet(private: RedisServer, key_prefix: str
                     assert limiter._guard.fleet is not None
                     await limiter._guard.fleet.settle()
             assert [lim._guard.fleet and lim._guard.fleet.count for lim in limiters] == [4] * 4
-            private.kill()
+            own_server.kill()
             return [
                 sum([(await limiter.hit(POLICY, "down")).allowed for _ in range(20)])
                 for limiter in limiters
@@ -411,49 +388,36 @@ def test_separate_processes_share_the_limit(binary: ServerBinary, key_prefix: st
     server = RedisServer(binary).start()
     ctx = multiprocessing.get_context("spawn")
     barrier = ctx.Barrier(size + 1)
-    queue = ctx.Queue()
-    kwargs = {"url": server.url, "key_prefix": key_prefix, "size": size}
-    procs = [
-        ctx.Process(target=fleet_worker, kwargs={**kwargs, "barrier": barrier, "queue": queue})
-        for _ in range(size)
-    ]
+    kwargs = {"url": server.url, "key_prefix": key_prefix, "size": size, "barrier": barrier}
     try:
-        for proc in procs:
-            proc.start()
-        barrier.wait(120)
-        barrier.wait(120)
-        server.kill()
-        barrier.wait(120)
-        results = [queue.get(timeout=120) for _ in procs]
+        with workers.Processes(ctx, fleet_worker, size, **kwargs) as running:
+            barrier.wait(120)
+            barrier.wait(120)
+            server.kill()
+            barrier.wait(120)
+            results = running.reports()
     finally:
-        for proc in procs:
-            proc.join(30)
-            if proc.is_alive():
-                proc.kill()
-                proc.join(10)
         server.stop()
+    assert [proc.exitcode for proc in running.procs] == [0] * size
     assert [r["errors"] for r in results] == [[]] * size
     assert [r["count"] for r in results] == [size] * size
     assert [r["admitted"] for r in results] == [LIMIT // size] * size
 
 
 def test_a_rejected_heartbeat_never_reaches_the_caller(
-    private: RedisServer, key_prefix: str, caplog: pytest.LogCaptureFixture
+    own_server: RedisServer, key_prefix: str, caplog: pytest.LogCaptureFixture
 ):
     """Someone wrote a string to the fleet key: the heartbeat gets WRONGTYPE. The decision
     stands, the error is logged, the breaker stays closed and the count stays unknown."""
-    admin = private.client()
-    admin.set(KeyBuilder(key_prefix).fleet_key(), "not a set")
-    try:
-        with Limiter.from_url(
-            private.url, key_prefix=key_prefix, failure_mode="local", local_share="auto", **SHORT
-        ) as limiter:
-            decision = limiter.hit(POLICY, "a")
-            assert decision.allowed
-            assert not decision.degraded
-            assert limiter.breaker.state is BreakerState.CLOSED
-            assert limiter._guard.fleet is not None
-            assert limiter._guard.fleet.count is None
-        assert "rejected a fleet heartbeat" in caplog.text
-    finally:
-        admin.close()
+    with own_server.client() as admin:
+        admin.set(KeyBuilder(key_prefix).fleet_key(), "not a set")
+    with Limiter.from_url(
+        own_server.url, key_prefix=key_prefix, failure_mode="local", local_share="auto", **SHORT
+    ) as limiter:
+        decision = limiter.hit(POLICY, "a")
+        assert decision.allowed
+        assert not decision.degraded
+        assert limiter.breaker.state is BreakerState.CLOSED
+        assert limiter._guard.fleet is not None
+        assert limiter._guard.fleet.count is None
+    assert "rejected a fleet heartbeat" in caplog.text

@@ -7,10 +7,12 @@ Exact header values come from limiters on a :class:`ManualClock`, so the state i
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import math
 import re
 from collections.abc import Callable, Iterable
+from dataclasses import replace
 from typing import Any
 
 import httpx
@@ -25,6 +27,7 @@ from ratekeeper import (
     Policy,
     Rate,
     asgi,
+    testing,
     wsgi,
 )
 from ratekeeper._http import (
@@ -51,28 +54,10 @@ MINUTE = 1_699_999_980.0
 PEER = "203.0.113.7"
 
 
-def decision(
-    *,
-    allowed: bool = True,
-    remaining: int = 42,
-    reset_after: float = 16.2,
-    retry_after: float | None = None,
-    degraded: bool = False,
-    name: str = "name",
-    rate: Rate | None = None,
-) -> Decision:
-    rate = rate if rate is not None else Rate(100, 60)
-    return Decision(
-        allowed=allowed,
-        limit=rate.limit,
-        remaining=remaining,
-        reset_after=reset_after,
-        retry_after=retry_after,
-        policy=name,
-        rate=rate,
-        degraded=degraded,
-        reason="unavailable/closed" if degraded else None,
-    )
+#: ``ratekeeper.testing.decision`` for policy "name" under 100/minute: 42 left, a reset in 16.2 s.
+decision = functools.partial(
+    testing.decision, rate="100/minute", remaining=42, reset_after=16.2, policy="name"
+)
 
 
 # --- the pure functions --------------------------------------------------------------------------
@@ -120,9 +105,11 @@ def test_legacy_headers_only_when_asked():
 
 
 def test_degraded_decisions_get_no_rate_limit_headers():
-    assert response_headers(decision(degraded=True)) == []
-    assert response_headers(decision(degraded=True), legacy=True) == []
-    denied = decision(allowed=False, remaining=0, retry_after=2.5, degraded=True)
+    assert response_headers(decision(degraded=True, reason="unavailable/closed")) == []
+    assert response_headers(decision(degraded=True, reason="unavailable/closed"), legacy=True) == []
+    denied = decision(
+        allowed=False, remaining=0, retry_after=2.5, degraded=True, reason="unavailable/closed"
+    )
     assert response_headers(denied, legacy=True) == [("Retry-After", "3")]
     assert response_headers(decision()) == rate_limit_headers(decision())
 
@@ -144,7 +131,7 @@ def test_problem_body():
 def test_the_problem_body_is_compact_json_of_the_problem(retry_after: float | None):
     """The body is built from a kept prefix per policy and rate: byte for byte what
     ``json.dumps`` of the whole problem gives."""
-    denial = decision(allowed=False, remaining=0, retry_after=retry_after)
+    denial = replace(decision(allowed=False, remaining=0), retry_after=retry_after)
     problem: dict[str, Any] = {
         "type": "about:blank",
         "title": "Too Many Requests",

@@ -5,11 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import threading
 import time
-from collections import Counter
-from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import httpx
@@ -19,47 +15,7 @@ from ratekeeper import AsyncLimiter, ConfigError, Limiter, Policy, RateLimited
 from ratekeeper._wait import JITTER
 from ratekeeper.httpx import AsyncRateLimitedTransport, RateLimitedTransport
 
-
-class Upstream:
-    """An HTTP server on a free loopback port that counts requests by ``x-tenant``."""
-
-    def __init__(self) -> None:
-        self.received: Counter[str] = Counter()
-        lock = threading.Lock()
-        received = self.received
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_GET(self) -> None:
-                with lock:
-                    received[self.headers.get("x-tenant", "")] += 1
-                body = b"ok"
-                self.send_response(200)
-                self.send_header("content-length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def log_message(self, format: str, *args: Any) -> None:
-                pass
-
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.httpd.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/"
-        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
-
-    def __enter__(self) -> Upstream:
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
-        self.thread.join(10)
-
-
-@pytest.fixture
-def upstream() -> Iterator[Upstream]:
-    with Upstream() as server:
-        yield server
+from .http_servers import Upstream
 
 
 def _opts(url: str) -> dict[str, Any]:

@@ -19,10 +19,7 @@ from redis.crc import key_slot
 from ratekeeper import AsyncLimiter, Limiter, Policy, Rate
 from ratekeeper._core import TTL_MARGIN_MS
 
-from .private_servers import private_servers
-from .servers import RedisServer, find_binaries
-
-FLAVORS = [binary.flavor for binary in find_binaries()]
+from .servers import RedisServer, command_calls
 
 _TAG = r"[A-Za-z0-9_-]{22}"
 
@@ -34,16 +31,6 @@ def _canonical(identity: str | bytes | int) -> bytes:
     if isinstance(identity, int):
         return str(identity).encode("ascii")
     return identity
-
-
-@pytest.fixture
-def admin(server: RedisServer) -> Iterator[redis.Redis]:
-    """A client of our own on the shared ``server``."""
-    client = server.client()
-    try:
-        yield client
-    finally:
-        client.close()
 
 
 def _scan(client: redis.Redis, key_prefix: str | None = None) -> list[bytes]:
@@ -130,31 +117,19 @@ def test_async_hits_set_the_same_lifetime(server: RedisServer, admin: redis.Redi
 # --- a denial writes nothing ---------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def quiet_servers() -> Iterator[dict[str, RedisServer]]:
-    """Private servers: command statistics and DBSIZE count this module's calls only."""
-    with private_servers() as started:
-        yield started
-
-
-@pytest.fixture(params=FLAVORS)
-def quiet(
-    request: pytest.FixtureRequest, quiet_servers: dict[str, RedisServer]
-) -> Iterator[tuple[RedisServer, redis.Redis]]:
-    server = quiet_servers[request.param]
-    client = server.client()
-    try:
-        yield server, client
-    finally:
-        client.close()
+@pytest.fixture
+def quiet(own_server: RedisServer) -> Iterator[tuple[RedisServer, redis.Redis]]:
+    """One of the module's own servers (command statistics and DBSIZE count this module's
+    calls only), and a client of the test's own on it."""
+    with own_server.client() as client:
+        yield own_server, client
 
 
 WRITES = ("rpush", "lpush", "ltrim", "lpop", "rpop", "pexpire", "expire", "del")
 
 
 def _writes(client: redis.Redis) -> dict[str, int]:
-    stats: dict[str, Any] = client.info("commandstats")
-    return {name: int(stats.get(f"cmdstat_{name}", {}).get("calls", 0)) for name in WRITES}
+    return {name: command_calls(client, name) for name in WRITES}
 
 
 def _keyspace(client: redis.Redis) -> dict[str, tuple[int, int]]:

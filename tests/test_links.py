@@ -117,7 +117,7 @@ def test_auth_select_and_client_name_as_redis_py(
             with server.client() as admin:
                 clients = [c for c in admin.client_list() if c["name"] == client_name]
             (key,) = limiter.keys(policy, "a")
-        with redis.Redis(port=server.port, db=5) as in_db_5:
+        with server.client(db=5) as in_db_5:
             assert in_db_5.exists(key)
         with server.client() as in_db_0:
             assert not in_db_0.exists(key)
@@ -219,7 +219,7 @@ def test_a_unix_socket(unix_server: tuple[RedisServer, str], batching: bool) -> 
 
     decisions, key = asyncio.run(main())
     assert sum(d.allowed for d in decisions) == 10
-    with redis.Redis(port=server.port, db=2) as in_db_2, server.client() as in_db_0:
+    with server.client(db=2) as in_db_2, server.client() as in_db_0:
         assert in_db_2.exists(key)
         assert not in_db_0.exists(key)
 

@@ -39,7 +39,7 @@ from ratekeeper.metrics import (
     Metrics,
     PrometheusMetrics,
 )
-from ratekeeper.testing import AsyncFlakyStorage, FlakyStorage
+from ratekeeper.testing import AsyncFlakyStorage, FlakyStorage, RecordingMetrics
 
 from .conftest import MakeLimiter
 
@@ -200,25 +200,15 @@ def test_two_adapters_need_two_registries():
     PrometheusMetrics(registry=registry, namespace="second")  # another namespace is fine
 
 
-class Recorder(Metrics):
-    """A custom hook that records every call."""
+def summary(recorder: RecordingMetrics) -> list[tuple[str, bool, bool, str | None]]:
+    """(policy, allowed, degraded, reason) of each decision ``recorder`` was told of."""
+    return [(d.policy, d.allowed, d.degraded, d.reason) for d in recorder.decisions]
 
-    def __init__(self) -> None:
-        self.decisions: list[tuple[str, bool, bool, str | None]] = []
-        self.store_calls: list[bool] = []
-        self.transitions: list[tuple[BreakerState, BreakerState]] = []
 
-    def decision(self, decision: Decision) -> None:
-        self.decisions.append(
-            (decision.policy, decision.allowed, decision.degraded, decision.reason)
-        )
-
-    def store_call(self, seconds: float, ok: bool) -> None:
-        assert seconds >= 0
-        self.store_calls.append(ok)
-
-    def breaker_transition(self, old: BreakerState, new: BreakerState) -> None:
-        self.transitions.append((old, new))
+def outcomes(recorder: RecordingMetrics) -> list[bool]:
+    """Whether each store call ``recorder`` was told of succeeded (each took some time)."""
+    assert all(seconds >= 0 for seconds, _ in recorder.store_calls)
+    return [ok for _, ok in recorder.store_calls]
 
 
 EXPECTED_CALLS = [
@@ -238,27 +228,27 @@ EXPECTED_CALLS = [
 
 
 def test_a_custom_metrics_subclass_receives_every_call():
-    recorder = Recorder()
+    recorder = RecordingMetrics()
     limiter, storage, _, breaker_clock = build(recorder)
     with limiter:
         scenario(limiter, storage)
-        assert recorder.decisions == EXPECTED_CALLS
-        assert recorder.store_calls == [True] * 4 + [False] * 2
-        assert recorder.transitions == [(BreakerState.CLOSED, BreakerState.OPEN)]
+        assert summary(recorder) == EXPECTED_CALLS
+        assert outcomes(recorder) == [True] * 4 + [False] * 2
+        assert recorder.transitions == [("", BreakerState.CLOSED, BreakerState.OPEN)]
         storage.down = False
         breaker_clock.advance(1.0)
         limiter.hit(API, "g")
         limiter.hit(API, "g")
-    assert recorder.transitions == [
-        (BreakerState.CLOSED, BreakerState.OPEN),
-        (BreakerState.OPEN, BreakerState.HALF_OPEN),
-        (BreakerState.HALF_OPEN, BreakerState.CLOSED),
+    assert recorder.transitions == [  # the store's one breaker: node ""
+        ("", BreakerState.CLOSED, BreakerState.OPEN),
+        ("", BreakerState.OPEN, BreakerState.HALF_OPEN),
+        ("", BreakerState.HALF_OPEN, BreakerState.CLOSED),
     ]
-    assert recorder.store_calls == [True] * 4 + [False] * 2 + [True] * 2
+    assert outcomes(recorder) == [True] * 4 + [False] * 2 + [True] * 2
 
 
 def test_a_custom_metrics_subclass_on_asyncio():
-    recorder = Recorder()
+    recorder = RecordingMetrics()
     clock = ManualClock()
     breaker = CircuitBreaker(consecutive_failures=2, open_for=1.0, clock=ManualClock(50.0))
     storage = AsyncFlakyStorage(clock=clock)
@@ -274,7 +264,7 @@ def test_a_custom_metrics_subclass_on_asyncio():
             await lim.hit(OTHER, "d")
 
     asyncio.run(main())
-    assert recorder.decisions == [
+    assert summary(recorder) == [
         ("api", True, False, None),
         ("api", True, False, None),
         ("api", False, False, None),
@@ -283,8 +273,8 @@ def test_a_custom_metrics_subclass_on_asyncio():
         ("other", False, True, "unavailable/closed"),
         ("other", False, True, "breaker_open/closed"),
     ]
-    assert recorder.store_calls == [True, True, True, False, False]
-    assert recorder.transitions == [(BreakerState.CLOSED, BreakerState.OPEN)]
+    assert outcomes(recorder) == [True, True, True, False, False]
+    assert recorder.transitions == [("", BreakerState.CLOSED, BreakerState.OPEN)]
 
 
 def test_a_partial_subclass_keeps_the_other_hooks_as_no_ops():
@@ -362,18 +352,6 @@ def on(limiter: Limiter, policy: Policy, node: str, count: int) -> list[str]:
     )
 
 
-class NodeRecorder(Metrics):
-    def __init__(self) -> None:
-        self.added: list[str] = []
-        self.moved: list[tuple[str, str, str]] = []
-
-    def node_breaker_added(self, node: str) -> None:
-        self.added.append(node)
-
-    def node_breaker_transition(self, node: str, old: BreakerState, new: BreakerState) -> None:
-        self.moved.append((node, str(old), str(new)))
-
-
 class OldStyleRecorder:
     """A hook written before nodes had breakers: only the three original methods."""
 
@@ -403,7 +381,7 @@ def test_a_dead_node_opens_only_its_own_breaker(caplog: pytest.LogCaptureFixture
     node a's keys are still decided by the store, its breaker closed. Each node's breaker is
     made like the configured one, named in the metrics hook and the log."""
     caplog.set_level(logging.WARNING, logger="ratekeeper")
-    recorder = NodeRecorder()
+    recorder = RecordingMetrics()
     limiter, storage, breaker_clock = _two_nodes(recorder)
     policy = Policy("nodes", "100/minute")
     with limiter:
@@ -422,8 +400,8 @@ def test_a_dead_node_opens_only_its_own_breaker(caplog: pytest.LogCaptureFixture
         storage.down_nodes.clear()
         breaker_clock.advance(1.0)
         assert limiter.hit(policy, b[3]).reason is None  # the probe closes it
-    assert recorder.added == ["a:1", "b:2"]
-    assert recorder.moved == [
+    assert recorder.nodes == ["a:1", "b:2"]
+    assert recorder.transitions == [
         ("b:2", "closed", "open"),
         ("b:2", "open", "half_open"),
         ("b:2", "half_open", "closed"),

@@ -43,6 +43,7 @@ import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
+import ratekeeper.testing
 from ratekeeper import AsyncLimiter, CircuitBreaker, Decision, Limiter, ManualClock, Policy, Rate
 from ratekeeper._algorithms import (
     HIT,
@@ -58,6 +59,7 @@ from ratekeeper._keys import Identity, identity_bytes
 from ratekeeper._keyspace import Keyspace
 from ratekeeper._scripts import load_script
 
+from .clocks import ExactClock
 from .servers import RedisServer
 from .strategies import (
     ALGORITHM_CASES,
@@ -114,14 +116,13 @@ def pick(policy: Policy, allowed: bool, rows: list[Row]) -> Decision:
         # The denying rate with the longest wait; ties: the longest reset, then the first.
         best = max((r for r in rows if r[3] is not None), key=lambda r: (r[3], r[2]))
     rate, remaining, reset, retry = best
-    return Decision(
-        allowed=allowed,
-        limit=rate.limit,
+    return ratekeeper.testing.decision(
+        allowed,
+        rate=rate,
         remaining=remaining,
         reset_after=reset / 1_000_000,
         retry_after=None if retry is None else retry / 1_000_000,
         policy=policy.name,
-        rate=rate,
     )
 
 
@@ -592,17 +593,6 @@ def check_history(policy: Policy, admitted: list[tuple[int, int]]) -> None:
                     assert total <= bound, (rate, burst, admitted[i : j + 1])
 
 
-def set_clock_us(clock: ManualClock, us: int) -> None:
-    """Set ``clock`` to a float that the core reads as exactly ``us`` microseconds."""
-    seconds = us / 1_000_000
-    while int(seconds * 1_000_000) < us:
-        seconds = math.nextafter(seconds, math.inf)
-    while int(seconds * 1_000_000) > us:
-        seconds = math.nextafter(seconds, -math.inf)
-    clock.set(seconds)
-    assert int(clock() * 1_000_000) == us
-
-
 class Replies:
     """A storage wrapper keeping every raw script reply, so that the two sides can be compared
     on every rate, not only on the one a decision reports."""
@@ -698,9 +688,8 @@ class AlgorithmRun:
 
     def __init__(self, scenario: AlgorithmScenario, algorithm: str) -> None:
         self.scenario = scenario
-        self.clock = ManualClock(START)
         self.now = int(START * 1_000_000)
-        set_clock_us(self.clock, self.now)
+        self.clock = ExactClock(self.now)
         self.model = MODELS[algorithm]()
         self.last_retry: int | None = None
         self.admitted: dict[tuple[str, bytes], list[tuple[int, int]]] = defaultdict(list)
@@ -718,7 +707,7 @@ class AlgorithmRun:
                 self.now += max(self.last_retry + op.nudge_us, 0)
         else:
             return False
-        set_clock_us(self.clock, self.now)
+        self.clock.set_us(self.now)
         return True
 
     def held_units(self, key: tuple[str, bytes]) -> int:

@@ -1,17 +1,15 @@
 """Recovery from a cold script cache, a restarted or dead server, and a frozen one.
 
-These tests flush, kill, restart and SIGSTOP servers, so they run on private servers started
-for this module (one per flavor), never on the shared session servers.
+These tests flush, kill, restart and SIGSTOP servers, so they run on the module's own servers
+(``own_server``: one per flavor, running again after each test), never on the shared session
+servers.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import os
-import signal
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import pytest
 import redis
@@ -29,11 +27,8 @@ from ratekeeper._algorithms import get_algorithm
 from ratekeeper._scripts import load_script
 from ratekeeper._storage.redis._compat import get_connection
 
-from .private_servers import private_servers
 from .seams import flush_after_every_load
-from .servers import RedisServer, command_calls, find_binaries
-
-FLAVORS = [binary.flavor for binary in find_binaries()]
+from .servers import RedisServer, command_calls
 
 #: Short deadlines so that failures surface quickly.
 FAST = {"timeout": 0.2, "connect_timeout": 0.2, "failure_mode": "raise"}
@@ -41,42 +36,6 @@ FAST = {"timeout": 0.2, "connect_timeout": 0.2, "failure_mode": "raise"}
 BATCHING = pytest.mark.parametrize("batching", [True, False], ids=["batching", "no-batching"])
 #: Generous reply timeout for steps that must succeed even on a loaded machine.
 PATIENT = {"timeout": 5, "connect_timeout": 5, "failure_mode": "raise"}
-
-
-@pytest.fixture(scope="module")
-def servers_to_break() -> Iterator[dict[str, RedisServer]]:
-    """One private server per flavor for this module; tests may break them."""
-    with private_servers() as started:
-        yield started
-
-
-def _running(server: RedisServer) -> bool:
-    return server.proc is not None and server.proc.poll() is None
-
-
-@pytest.fixture(params=FLAVORS)
-def private(
-    request: pytest.FixtureRequest, servers_to_break: dict[str, RedisServer]
-) -> Iterator[RedisServer]:
-    """A private server, running at the start of the test and again after it."""
-    server = servers_to_break[request.param]
-    if not _running(server):
-        server.start()
-    yield server
-    if server.proc is not None:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(server.proc.pid, signal.SIGCONT)
-    if not _running(server):
-        server.start()
-
-
-@contextlib.contextmanager
-def _admin(server: RedisServer) -> Iterator[redis.Redis]:
-    client = server.client()
-    try:
-        yield client
-    finally:
-        client.close()
 
 
 def _sha(policy: Policy) -> str:
@@ -90,11 +49,11 @@ def _script_loaded(client: redis.Redis, policy: Policy) -> bool:
 # --- SCRIPT FLUSH --------------------------------------------------------------------------------
 
 
-def test_script_flush_between_hits_sync(private: RedisServer, key_prefix: str):
+def test_script_flush_between_hits_sync(own_server: RedisServer, key_prefix: str):
     policy = Policy("flush", "5/minute")
     with (
-        _admin(private) as admin,
-        Limiter.from_url(private.url, key_prefix=key_prefix, **PATIENT) as limiter,
+        own_server.client() as admin,
+        Limiter.from_url(own_server.url, key_prefix=key_prefix, **PATIENT) as limiter,
     ):
         assert [limiter.hit(policy, "a").remaining for _ in range(2)] == [4, 3]
         loads = command_calls(admin, "script|load")
@@ -112,12 +71,12 @@ def test_script_flush_between_hits_sync(private: RedisServer, key_prefix: str):
 
 
 @BATCHING
-def test_script_flush_between_hits_async(private: RedisServer, key_prefix: str, batching: bool):
+def test_script_flush_between_hits_async(own_server: RedisServer, key_prefix: str, batching: bool):
     policy = Policy("flush", "5/minute")
 
     async def main(admin: redis.Redis) -> None:
         limiter = AsyncLimiter.from_url(
-            private.url, key_prefix=key_prefix, batching=batching, **PATIENT
+            own_server.url, key_prefix=key_prefix, batching=batching, **PATIENT
         )
         try:
             assert [(await limiter.hit(policy, "a")).remaining for _ in range(2)] == [4, 3]
@@ -140,7 +99,7 @@ def test_script_flush_between_hits_async(private: RedisServer, key_prefix: str, 
         finally:
             await limiter.close()
 
-    with _admin(private) as admin:
+    with own_server.client() as admin:
         asyncio.run(main(admin))
 
 
@@ -151,14 +110,14 @@ def flush_after_load(monkeypatch: pytest.MonkeyPatch) -> Callable[[redis.Redis],
 
 
 def test_script_flush_between_the_load_and_the_call_sync(
-    private: RedisServer, key_prefix: str, flush_after_load: Callable[[redis.Redis], None]
+    own_server: RedisServer, key_prefix: str, flush_after_load: Callable[[redis.Redis], None]
 ):
     """The race on the blocking transport: the call is sent with EVAL, which carries the
     script, and no NOSCRIPT reaches the caller."""
     policy = Policy("flush-race", "5/minute")
     with (
-        _admin(private) as admin,
-        Limiter.from_url(private.url, key_prefix=key_prefix, **PATIENT) as limiter,
+        own_server.client() as admin,
+        Limiter.from_url(own_server.url, key_prefix=key_prefix, **PATIENT) as limiter,
     ):
         assert limiter.hit(policy, "a").remaining == 4
         flush_after_load(admin)
@@ -171,7 +130,7 @@ def test_script_flush_between_the_load_and_the_call_sync(
 
 @pytest.mark.parametrize("batching", [True, False], ids=["batching", "no-batching"])
 def test_script_flush_between_the_load_and_the_call_async(
-    private: RedisServer,
+    own_server: RedisServer,
     key_prefix: str,
     flush_after_load: Callable[[redis.Redis], None],
     batching: bool,
@@ -182,7 +141,9 @@ def test_script_flush_between_the_load_and_the_call_async(
 
     async def main(admin: redis.Redis) -> list[int]:
         options = {**PATIENT, "batching": batching}
-        async with AsyncLimiter.from_url(private.url, key_prefix=key_prefix, **options) as limiter:
+        async with AsyncLimiter.from_url(
+            own_server.url, key_prefix=key_prefix, **options
+        ) as limiter:
             first = (await limiter.hit(policy, "a")).remaining
             flush_after_load(admin)
             admin.script_flush()
@@ -197,15 +158,15 @@ def test_script_flush_between_the_load_and_the_call_async(
                 assert command_calls(admin, "eval") - evals >= 1
             return [first, *sorted((d.remaining for d in decisions), reverse=True)]
 
-    with _admin(private) as admin:
+    with own_server.client() as admin:
         assert asyncio.run(main(admin)) == [19, *range(18, 10, -1)]
 
 
-def test_script_flush_before_a_peek_reloads_too(private: RedisServer, key_prefix: str):
+def test_script_flush_before_a_peek_reloads_too(own_server: RedisServer, key_prefix: str):
     policy = Policy("flush-peek", "5/minute")
     with (
-        _admin(private) as admin,
-        Limiter.from_url(private.url, key_prefix=key_prefix, **PATIENT) as limiter,
+        own_server.client() as admin,
+        Limiter.from_url(own_server.url, key_prefix=key_prefix, **PATIENT) as limiter,
     ):
         assert limiter.hit(policy, "a").allowed
         admin.script_flush()
@@ -218,17 +179,17 @@ def test_script_flush_before_a_peek_reloads_too(private: RedisServer, key_prefix
 # --- restart -------------------------------------------------------------------------------------
 
 
-def test_restart_between_hits_sync(private: RedisServer, key_prefix: str):
+def test_restart_between_hits_sync(own_server: RedisServer, key_prefix: str):
     policy = Policy("restart", "5/minute")
-    with Limiter.from_url(private.url, key_prefix=key_prefix, **PATIENT) as limiter:
+    with Limiter.from_url(own_server.url, key_prefix=key_prefix, **PATIENT) as limiter:
         assert [limiter.hit(policy, "a").remaining for _ in range(2)] == [4, 3]
-        private.restart()  # kill -9, then an empty server with a cold script cache
+        own_server.restart()  # kill -9, then an empty server with a cold script cache
 
         decision = limiter.hit(policy, "a")
         assert isinstance(decision, Decision)
         assert decision.allowed
         assert decision.remaining == 4  # the new server starts empty
-        with _admin(private) as admin:
+        with own_server.client() as admin:
             assert _script_loaded(admin, policy)
             assert command_calls(admin, "script|load") == 1
             assert command_calls(admin, "evalsha") >= 1
@@ -236,22 +197,22 @@ def test_restart_between_hits_sync(private: RedisServer, key_prefix: str):
 
 
 @BATCHING
-def test_restart_between_hits_async(private: RedisServer, key_prefix: str, batching: bool):
+def test_restart_between_hits_async(own_server: RedisServer, key_prefix: str, batching: bool):
     policy = Policy("restart", "5/minute")
 
     async def main() -> None:
         limiter = AsyncLimiter.from_url(
-            private.url, key_prefix=key_prefix, batching=batching, **PATIENT
+            own_server.url, key_prefix=key_prefix, batching=batching, **PATIENT
         )
         try:
             assert [(await limiter.hit(policy, "a")).remaining for _ in range(2)] == [4, 3]
-            private.restart()
+            own_server.restart()
 
             decision = await limiter.hit(policy, "a")
             assert isinstance(decision, Decision)
             assert decision.allowed
             assert decision.remaining == 4
-            with _admin(private) as admin:
+            with own_server.client() as admin:
                 assert _script_loaded(admin, policy)
                 assert command_calls(admin, "script|load") == 1
                 assert command_calls(admin, "evalsha") >= 1
@@ -263,10 +224,10 @@ def test_restart_between_hits_async(private: RedisServer, key_prefix: str, batch
     asyncio.run(main())
 
 
-def test_restart_with_several_pooled_connections_sync(private: RedisServer, key_prefix: str):
+def test_restart_with_several_pooled_connections_sync(own_server: RedisServer, key_prefix: str):
     """Every stale pooled connection is replaced, not only the first one used."""
     policy = Policy("restart-pool", "100/minute")
-    with Limiter.from_url(private.url, key_prefix=key_prefix, **PATIENT) as limiter:
+    with Limiter.from_url(own_server.url, key_prefix=key_prefix, **PATIENT) as limiter:
         client = limiter.storage.client  # type: ignore[attr-defined]
         pool = client.connection_pool
         held = [get_connection(pool) for _ in range(4)]  # any redis-py version
@@ -274,25 +235,25 @@ def test_restart_with_several_pooled_connections_sync(private: RedisServer, key_
             connection.send_command("PING")
             assert connection.read_response() in (b"PONG", "PONG")
             pool.release(connection)
-        private.restart()
+        own_server.restart()
         decisions = [limiter.hit(policy, "a") for _ in range(8)]
         assert [d.remaining for d in decisions] == list(range(99, 91, -1))
 
 
 @BATCHING
 def test_restart_with_several_pooled_connections_async(
-    private: RedisServer, key_prefix: str, batching: bool
+    own_server: RedisServer, key_prefix: str, batching: bool
 ):
     policy = Policy("restart-pool", "100/minute")
 
     async def main() -> None:
         limiter = AsyncLimiter.from_url(
-            private.url, key_prefix=key_prefix, batching=batching, **PATIENT
+            own_server.url, key_prefix=key_prefix, batching=batching, **PATIENT
         )
         try:
             # Concurrent peeks leave several open connections in the pool.
             await asyncio.gather(*(limiter.peek(policy, "a") for _ in range(4)))
-            private.restart()
+            own_server.restart()
             decisions = await asyncio.gather(*(limiter.hit(policy, "a") for _ in range(8)))
             assert all(d.allowed for d in decisions)
             assert sorted(d.remaining for d in decisions) == list(range(92, 100))
@@ -313,13 +274,13 @@ def _assert_unavailable(excinfo: pytest.ExceptionInfo[StorageUnavailable], elaps
     assert elapsed < 2.0
 
 
-def test_server_down_raises_storage_unavailable_sync(private: RedisServer, key_prefix: str):
+def test_server_down_raises_storage_unavailable_sync(own_server: RedisServer, key_prefix: str):
     policy = Policy("down", "5/minute")
-    warm = Limiter.from_url(private.url, key_prefix=key_prefix, **FAST)
+    warm = Limiter.from_url(own_server.url, key_prefix=key_prefix, **FAST)
     try:
         assert warm.hit(policy, "a").allowed  # a pooled connection to the soon-dead server
-        private.kill()
-        cold = Limiter.from_url(private.url, key_prefix=key_prefix, **FAST)
+        own_server.kill()
+        cold = Limiter.from_url(own_server.url, key_prefix=key_prefix, **FAST)
         try:
             for limiter in (warm, cold):
                 for call in (limiter.hit, limiter.peek, limiter.reset):
@@ -329,7 +290,7 @@ def test_server_down_raises_storage_unavailable_sync(private: RedisServer, key_p
                     _assert_unavailable(excinfo, time.monotonic() - started)
         finally:
             cold.close()
-        private.start()
+        own_server.start()
         decision = warm.hit(policy, "a")  # the same limiter works once the server is back
         assert decision.allowed
         assert decision.remaining == 4
@@ -339,17 +300,19 @@ def test_server_down_raises_storage_unavailable_sync(private: RedisServer, key_p
 
 @BATCHING
 def test_server_down_raises_storage_unavailable_async(
-    private: RedisServer, key_prefix: str, batching: bool
+    own_server: RedisServer, key_prefix: str, batching: bool
 ):
     policy = Policy("down", "5/minute")
 
     async def main() -> None:
-        warm = AsyncLimiter.from_url(private.url, key_prefix=key_prefix, batching=batching, **FAST)
+        warm = AsyncLimiter.from_url(
+            own_server.url, key_prefix=key_prefix, batching=batching, **FAST
+        )
         try:
             assert (await warm.hit(policy, "a")).allowed
-            private.kill()
+            own_server.kill()
             cold = AsyncLimiter.from_url(
-                private.url, key_prefix=key_prefix, batching=batching, **FAST
+                own_server.url, key_prefix=key_prefix, batching=batching, **FAST
             )
             try:
                 for limiter in (warm, cold):
@@ -360,7 +323,7 @@ def test_server_down_raises_storage_unavailable_async(
                         _assert_unavailable(excinfo, time.monotonic() - started)
             finally:
                 await cold.close()
-            private.start()
+            own_server.start()
             decision = await warm.hit(policy, "a")
             assert decision.allowed
             assert decision.remaining == 4
@@ -371,17 +334,6 @@ def test_server_down_raises_storage_unavailable_async(
 
 
 # --- a frozen server: timeouts are not retried ---------------------------------------------------
-
-
-@contextlib.contextmanager
-def _frozen(server: RedisServer) -> Iterator[None]:
-    """SIGSTOP the server for the block; SIGCONT it whatever happens."""
-    assert server.proc is not None
-    os.kill(server.proc.pid, signal.SIGSTOP)
-    try:
-        yield
-    finally:
-        os.kill(server.proc.pid, signal.SIGCONT)
 
 
 def _stats(admin: redis.Redis) -> tuple[int, int]:
@@ -405,15 +357,15 @@ def _assert_ran_once(admin: redis.Redis, before: tuple[int, int]) -> None:
     assert connections == before[1]
 
 
-def test_timeout_is_not_retried_sync(private: RedisServer, key_prefix: str):
+def test_timeout_is_not_retried_sync(own_server: RedisServer, key_prefix: str):
     policy = Policy("frozen", "5/minute")
     with (
-        _admin(private) as admin,
-        Limiter.from_url(private.url, key_prefix=key_prefix, **FAST) as limiter,
+        own_server.client() as admin,
+        Limiter.from_url(own_server.url, key_prefix=key_prefix, **FAST) as limiter,
     ):
         assert limiter.hit(policy, "a").allowed  # warm: connection open, script loaded
         before = _stats(admin)
-        with _frozen(private):
+        with own_server.frozen():
             started = time.monotonic()
             with pytest.raises(StorageTimeout) as excinfo:
                 limiter.hit(policy, "a")
@@ -428,17 +380,17 @@ def test_timeout_is_not_retried_sync(private: RedisServer, key_prefix: str):
 
 
 @BATCHING
-def test_timeout_is_not_retried_async(private: RedisServer, key_prefix: str, batching: bool):
+def test_timeout_is_not_retried_async(own_server: RedisServer, key_prefix: str, batching: bool):
     policy = Policy("frozen", "5/minute")
 
     async def main(admin: redis.Redis) -> None:
         limiter = AsyncLimiter.from_url(
-            private.url, key_prefix=key_prefix, batching=batching, **FAST
+            own_server.url, key_prefix=key_prefix, batching=batching, **FAST
         )
         try:
             assert (await limiter.hit(policy, "a")).allowed
             before = _stats(admin)
-            with _frozen(private):
+            with own_server.frozen():
                 started = time.monotonic()
                 with pytest.raises(StorageTimeout) as excinfo:
                     await limiter.hit(policy, "a")
@@ -452,13 +404,13 @@ def test_timeout_is_not_retried_async(private: RedisServer, key_prefix: str, bat
         finally:
             await limiter.close()
 
-    with _admin(private) as admin:
+    with own_server.client() as admin:
         asyncio.run(main(admin))
 
 
 @BATCHING
 def test_a_frozen_server_times_out_a_new_connection_too(
-    private: RedisServer, key_prefix: str, batching: bool
+    own_server: RedisServer, key_prefix: str, batching: bool
 ):
     """A fresh limiter against a frozen server: the TCP connect succeeds (the kernel accepts
     it), the handshake gets no answer, and the caller gets StorageTimeout, promptly."""
@@ -466,17 +418,17 @@ def test_a_frozen_server_times_out_a_new_connection_too(
 
     async def hit_async() -> None:
         limiter = AsyncLimiter.from_url(
-            private.url, key_prefix=key_prefix, batching=batching, **FAST
+            own_server.url, key_prefix=key_prefix, batching=batching, **FAST
         )
         try:
             await limiter.hit(policy, "a")
         finally:
             await limiter.close()
 
-    with _frozen(private):
+    with own_server.frozen():
         started = time.monotonic()
         with (
-            Limiter.from_url(private.url, key_prefix=key_prefix, **FAST) as limiter,
+            Limiter.from_url(own_server.url, key_prefix=key_prefix, **FAST) as limiter,
             pytest.raises(StorageTimeout),
         ):
             limiter.hit(policy, "a")
@@ -489,7 +441,7 @@ def test_a_frozen_server_times_out_a_new_connection_too(
 
 @BATCHING
 def test_a_cancelled_async_hit_leaves_no_stale_reply(
-    private: RedisServer, key_prefix: str, batching: bool
+    own_server: RedisServer, key_prefix: str, batching: bool
 ):
     """A hit cancelled while waiting for its reply must not leave that reply on a pooled
     connection, where the next call would read it as its own answer."""
@@ -497,11 +449,11 @@ def test_a_cancelled_async_hit_leaves_no_stale_reply(
 
     async def main() -> None:
         limiter = AsyncLimiter.from_url(
-            private.url, key_prefix=key_prefix, batching=batching, **PATIENT
+            own_server.url, key_prefix=key_prefix, batching=batching, **PATIENT
         )
         try:
             assert (await limiter.hit(policy, "a")).remaining == 4
-            with _frozen(private), pytest.raises(asyncio.TimeoutError):
+            with own_server.frozen(), pytest.raises(asyncio.TimeoutError):
                 await asyncio.wait_for(limiter.hit(policy, "a"), 0.1)
             # A different identity: its fresh log must not get identity a's late reply.
             other = await limiter.hit(policy, "b")
@@ -510,7 +462,7 @@ def test_a_cancelled_async_hit_leaves_no_stale_reply(
             # The cancelled hit may or may not have run; either way the count is consistent.
             again = await limiter.hit(policy, "a")
             (key,) = limiter.keys(policy, "a")
-            with _admin(private) as admin:
+            with own_server.client() as admin:
                 assert again.remaining == 5 - admin.llen(key)
         finally:
             await limiter.close()

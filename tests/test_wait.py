@@ -10,6 +10,7 @@ about 10 s of real time: that one measures the real wait.
 from __future__ import annotations
 
 import asyncio
+import functools
 import math
 import multiprocessing
 import pickle
@@ -30,6 +31,7 @@ from ratekeeper import (
     Policy,
     RatekeeperError,
     RateLimited,
+    testing,
 )
 from ratekeeper._wait import (
     JITTER,
@@ -45,7 +47,6 @@ from ratekeeper.decorators import limit
 
 from . import workers
 from .servers import RedisServer
-from .test_exactness import _run_processes
 
 PER_SECOND = Policy("wait", "2/second")
 
@@ -55,28 +56,19 @@ def _opts(url: str) -> dict[str, Any]:
     return {} if url == "memory://" else {"timeout": 5, "connect_timeout": 5}
 
 
-def _denial(retry_after: float | None, **changes: Any) -> Decision:
-    (rate,) = PER_SECOND.rates
-    fields: dict[str, Any] = {
-        "allowed": False,
-        "limit": rate.limit,
-        "remaining": 0,
-        "reset_after": 1.0,
-        "retry_after": retry_after,
-        "policy": PER_SECOND.name,
-        "rate": rate,
-    }
-    fields.update(changes)
-    return Decision(**fields)
+#: ``ratekeeper.testing.decision`` under PER_SECOND, resetting in 1 s.
+decision = functools.partial(
+    testing.decision, rate="2/second", policy=PER_SECOND.name, reset_after=1.0
+)
 
 
 # -- the rule, pure ------------------------------------------------------------------------
 
 
 def test_an_allowed_decision_is_returned() -> None:
-    allowed = _denial(None, allowed=True, remaining=1)
+    allowed = decision(remaining=1)
     assert next_sleep(allowed, 100.0, 100.0, lambda: 0.5) is None
-    degraded = _denial(None, allowed=True, degraded=True, reason="timeout/open")
+    degraded = decision(degraded=True, reason="timeout/open")
     assert next_sleep(degraded, 0.0, None, lambda: 0.5) is None
 
 
@@ -93,7 +85,7 @@ def test_an_allowed_decision_is_returned() -> None:
 def test_a_denial_sleeps_its_retry_after_plus_bounded_jitter(
     retry_after: float, rand: float, expected: float
 ) -> None:
-    pause = next_sleep(_denial(retry_after), 10.0, None, lambda: rand)
+    pause = next_sleep(decision(False, retry_after=retry_after), 10.0, None, lambda: rand)
     assert pause == pytest.approx(expected, abs=1e-12)
     assert retry_after <= pause <= max(retry_after * (1 + JITTER), MIN_SLEEP)
 
@@ -107,7 +99,7 @@ def test_jitter_stays_in_its_bounds() -> None:
 
 
 def test_it_raises_at_once_when_retry_after_exceeds_the_time_left() -> None:
-    denial = _denial(0.8)
+    denial = decision(False, retry_after=0.8)
     with pytest.raises(RateLimited) as caught:
         next_sleep(denial, 10.0, 10.7, lambda: 0.0)
     assert caught.value.decision is denial
@@ -119,7 +111,7 @@ def test_it_raises_at_once_when_retry_after_exceeds_the_time_left() -> None:
 
 
 def test_a_cost_above_the_limit_raises_at_once_even_without_a_timeout() -> None:
-    never = _denial(math.inf)
+    never = decision(False, retry_after=math.inf)
     for deadline in (None, math.inf, 1e9):
         with pytest.raises(RateLimited, match="can never pass") as caught:
             next_sleep(never, 0.0, deadline, lambda: 0.0)
@@ -127,7 +119,7 @@ def test_a_cost_above_the_limit_raises_at_once_even_without_a_timeout() -> None:
 
 
 def test_rate_limited_pickles_with_its_decision() -> None:
-    error = RateLimited(_denial(0.25))
+    error = RateLimited(decision(False, retry_after=0.25))
     assert "retry in 0.250 s" in str(error)
     again = pickle.loads(pickle.dumps(error))
     assert type(again) is RateLimited
@@ -424,7 +416,7 @@ def assert_at_most_per_window(
 def test_eight_processes_wait_their_turn(server: RedisServer) -> None:
     ctx = multiprocessing.get_context("spawn")
     tickets = ctx.Value("i", CALLS)
-    results = _run_processes(
+    results = workers.run_processes(
         ctx,
         workers.waiting_calls,
         PROCESSES,
@@ -437,7 +429,7 @@ def test_eight_processes_wait_their_turn(server: RedisServer) -> None:
         barrier=ctx.Barrier(PROCESSES),
     )
     admissions = [adm for result in results for adm in result["admissions"]]
-    assert len(admissions) == CALLS  # none failed: _run_processes checked every error list
+    assert len(admissions) == CALLS  # none failed: run_processes checked every error list
     assert tickets.value == 0
     started = min(result["started"] for result in results)
     elapsed = max(back for _, back in admissions) - started

@@ -11,20 +11,15 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import re
 import signal
-import subprocess
 import sys
-import tempfile
-import threading
 import time
 import uuid
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import httpx
 import pytest
@@ -32,21 +27,12 @@ import redis
 import websockets.exceptions
 import websockets.sync.client
 
-from .processes import log_text, wait_until
-from .servers import RedisServer, find_binaries, free_port
+from .http_servers import Reply, WebProcess, hammer, web_process
+from .servers import RedisServer, find_binaries
 from .web_apps import ENV_PREFIX, ENV_URL
 
-ROOT = Path(__file__).resolve().parent.parent
 FLAVORS = [binary.flavor for binary in find_binaries()]
-THREADS = 8
-
-
-@dataclass(frozen=True)
-class Reply:
-    key: str | None  # the X-API-Key sent
-    status: int
-    headers: httpx.Headers
-    body: bytes
+API = "/api/items"
 
 
 @dataclass(frozen=True)
@@ -57,100 +43,40 @@ class Served:
     store_url: str
 
 
-def _stop(proc: subprocess.Popen[bytes]) -> int:
-    """Terminate gracefully; kill the whole session if it does not go."""
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            return proc.wait(20)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-    return proc.wait(20)
-
-
-def _get(http: httpx.Client, path: str) -> httpx.Response | None:
-    try:
-        return http.get(path)
-    except httpx.TransportError:
-        return None
-
-
-@dataclass(frozen=True)
-class Running:
-    served: Served
-    log: IO[bytes]
-
-    def output(self) -> str:
-        return log_text(self.log)
+def _env(store_url: str) -> dict[str, str]:
+    """The app factory's store, under a key prefix no other run uses."""
+    return {ENV_URL: store_url, ENV_PREFIX: f"web-{uuid.uuid4().hex[:12]}"}
 
 
 @contextlib.contextmanager
-def uvicorn(factory: str, store_url: str, workers: int = 2) -> Iterator[Running]:
-    """``uvicorn --workers N --factory <factory>`` on ``store_url``, under a key prefix no
-    other run uses; stopped (and its exit checked) on exit."""
-    port = free_port()
-    env = {**os.environ, ENV_URL: store_url, ENV_PREFIX: f"web-{uuid.uuid4().hex[:12]}"}
-    env.pop("WEB_CONCURRENCY", None)
-    command = [
-        sys.executable, "-m", "uvicorn", factory, "--factory",
-        "--workers", str(workers), "--host", "127.0.0.1", "--port", str(port),
-        "--log-level", "info",
-    ]  # fmt: skip
-    with tempfile.TemporaryFile() as log:
-        proc = subprocess.Popen(
-            command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )  # fmt: skip
-        try:
-            pattern = re.compile(r"Started server process \[(\d+)\]")
+def uvicorn(factory: str, store_url: str, workers: int = 2) -> Iterator[tuple[Served, WebProcess]]:
+    """``uvicorn --workers N --factory <factory>`` on ``store_url`` (see :func:`_env`), once
+    every worker has started; its exit checked after it stops."""
+    env = _env(store_url)
 
-            def workers_started() -> frozenset[str] | None:
-                text = log_text(log)
-                if text.count("Application startup complete.") < workers:
-                    return None
-                return frozenset(pattern.findall(text))
+    def command(port: int) -> list[str]:
+        return [
+            sys.executable, "-m", "uvicorn", factory, "--factory",
+            "--workers", str(workers), "--host", "127.0.0.1", "--port", str(port),
+            "--log-level", "info",
+        ]  # fmt: skip
 
-            pids = wait_until(workers_started, proc, log, f"uvicorn's {workers} workers")
-            url = f"http://127.0.0.1:{port}"
-            with httpx.Client(base_url=url, timeout=5) as http:
-                wait_until(
-                    lambda: (r := _get(http, "/health")) is not None and r.status_code == 200,
-                    proc,
-                    log,
-                    "uvicorn's /health",
-                )
-            assert len(pids) == workers
-            yield Running(Served(url, pids, env[ENV_PREFIX], store_url), log)
-        finally:
-            code = _stop(proc)
-            assert code in (0, -signal.SIGTERM), log_text(log)[-3000:]
+    with web_process(command, "uvicorn", env=env) as running:
+        running.wait_until(
+            lambda: running.output().count("Application startup complete.") >= workers,
+            f"uvicorn's {workers} workers",
+        )
+        pids = frozenset(re.findall(r"Started server process \[(\d+)\]", running.output()))
+        assert len(pids) == workers
+        yield Served(running.url, pids, env[ENV_PREFIX], store_url), running
+    assert running.returncode in (0, -signal.SIGTERM), running.output()[-3000:]
 
 
 @pytest.fixture(scope="module", params=FLAVORS)
 def served(request: pytest.FixtureRequest, servers: dict[str, RedisServer]) -> Iterator[Served]:
     """``uvicorn --workers 2 --factory tests.web_apps:create_app`` on this flavor's server."""
-    with uvicorn("tests.web_apps:create_app", servers[request.param].url) as running:
-        yield running.served
-
-
-def hammer(url: str, header_sets: list[dict[str, str]], path: str = "/api/items") -> list[Reply]:
-    """Send one GET per header set from ``THREADS`` threads at once, each request on a new
-    connection; the replies in no particular order."""
-    chunks = [header_sets[i::THREADS] for i in range(THREADS)]
-    start = threading.Barrier(THREADS)
-
-    def run(chunk: list[dict[str, str]]) -> list[Reply]:
-        limits = httpx.Limits(max_keepalive_connections=0)
-        with httpx.Client(base_url=url, timeout=30, limits=limits) as http:
-            start.wait(30)
-            out = []
-            for headers in chunk:
-                r = http.get(path, headers=headers)
-                out.append(Reply(headers.get("X-API-Key"), r.status_code, r.headers, r.content))
-            return out
-
-    with ThreadPoolExecutor(THREADS) as pool:
-        return [reply for replies in pool.map(run, chunks) for reply in replies]
+    with uvicorn("tests.web_apps:create_app", servers[request.param].url) as (served, _):
+        yield served
 
 
 def check_replies(replies: list[Reply], limit: int = 12, body: Any = None) -> None:
@@ -181,7 +107,7 @@ def check_replies(replies: list[Reply], limit: int = 12, body: Any = None) -> No
 
 
 def test_one_identity_gets_exactly_the_limit_across_two_workers(served: Served):
-    replies = hammer(served.url, [{"X-API-Key": f"alice-{uuid.uuid4()}"}] * 40)
+    replies = hammer(served.url, API, [{"X-API-Key": f"alice-{uuid.uuid4()}"}] * 40)
     check_replies(replies)
     pids = {r.headers["x-worker-pid"] for r in replies if r.status == 200}
     assert pids <= served.worker_pids
@@ -189,35 +115,35 @@ def test_one_identity_gets_exactly_the_limit_across_two_workers(served: Served):
 
 def test_two_identities_are_independent(served: Served):
     bob, carol = f"bob-{uuid.uuid4()}", f"carol-{uuid.uuid4()}"
-    replies = hammer(served.url, [{"X-API-Key": bob}, {"X-API-Key": carol}] * 25)
+    replies = hammer(served.url, API, [{"X-API-Key": bob}, {"X-API-Key": carol}] * 25)
     assert len(replies) == 50
     for key in (bob, carol):
-        check_replies([r for r in replies if r.key == key])
+        check_replies([r for r in replies if r.sent["X-API-Key"] == key])
     # A third identity is untouched by both.
-    check_replies(hammer(served.url, [{"X-API-Key": f"dave-{uuid.uuid4()}"}] * 16))
+    check_replies(hammer(served.url, API, [{"X-API-Key": f"dave-{uuid.uuid4()}"}] * 16))
 
 
 def test_both_workers_serve_and_share_the_limit(served: Served):
     key = f"erin-{uuid.uuid4()}"
-    replies = hammer(served.url, [{"X-API-Key": key}] * 64, path="/api/items")
+    replies = hammer(served.url, API, [{"X-API-Key": key}] * 64)
     check_replies(replies)
     served_by = {r.headers.get("x-worker-pid") for r in replies if r.status == 200}
     denied_by = {r.headers.get("x-worker-pid") for r in replies if r.status == 429}
     # Denials come from the middleware, before the app: no pid header there.
     assert denied_by == {None}
     assert served_by <= served.worker_pids
-    health = hammer(served.url, [{}] * 40, path="/health")
+    health = hammer(served.url, "/health", [{}] * 40)
     health_pids = {r.headers["x-worker-pid"] for r in health}
     assert health_pids == served.worker_pids  # both workers answered, sharing one store
 
 
 def test_health_is_never_limited(served: Served):
     key = f"frank-{uuid.uuid4()}"
-    replies = hammer(served.url, [{"X-API-Key": key}] * 40, path="/health")
+    replies = hammer(served.url, "/health", [{"X-API-Key": key}] * 40)
     assert [r.status for r in replies] == [200] * 40
     assert not [h for r in replies for h in r.headers if "ratelimit" in h or h == "retry-after"]
     # And cost nothing: the key still has its whole budget.
-    check_replies(hammer(served.url, [{"X-API-Key": key}] * 13))
+    check_replies(hammer(served.url, API, [{"X-API-Key": key}] * 13))
 
 
 def test_a_denied_websocket_handshake_is_refused(served: Served):
@@ -281,16 +207,16 @@ def test_failed_logins_count_across_two_workers_then_the_handler_never_runs(serv
 @pytest.fixture(scope="module")
 def litestar_served(servers: dict[str, RedisServer]) -> Iterator[Served]:
     """``uvicorn --workers 2 --factory tests.web_apps:create_litestar_app``."""
-    with uvicorn("tests.web_apps:create_litestar_app", servers[FLAVORS[0]].url) as running:
-        yield running.served
+    with uvicorn("tests.web_apps:create_litestar_app", servers[FLAVORS[0]].url) as (served, _):
+        yield served
 
 
 def test_litestar_admits_exactly_the_limit_with_the_headers(litestar_served: Served):
     key = f"ivy-{uuid.uuid4()}"
-    replies = hammer(litestar_served.url, [{"X-API-Key": key}] * 40)
+    replies = hammer(litestar_served.url, API, [{"X-API-Key": key}] * 40)
     # The handler sees the decision in request.state.ratekeeper.
     check_replies(replies, body={"items": [1, 2, 3], "policies": ["served-api"]})
-    health = hammer(litestar_served.url, [{"X-API-Key": key}] * 8, path="/health")
+    health = hammer(litestar_served.url, "/health", [{"X-API-Key": key}] * 8)
     assert [r.status for r in health] == [200] * 8
     assert not [h for r in health for h in r.headers if "ratelimit" in h]
 
@@ -302,10 +228,10 @@ MEMORY_WARNING = "is on memory:// in a process that is one of several workers"
 
 @pytest.mark.parametrize("workers", [2, 1])
 def test_memory_under_several_uvicorn_workers_warns_once_a_worker(workers: int):
-    with uvicorn("tests.web_apps:create_app", "memory://", workers=workers) as running:
-        with httpx.Client(base_url=running.served.url, timeout=10) as http:
+    with uvicorn("tests.web_apps:create_app", "memory://", workers=workers) as (served, running):
+        with httpx.Client(base_url=served.url, timeout=10) as http:
             for _ in range(4):
-                assert http.get("/api/items").status_code == 200
+                assert http.get(API).status_code == 200
         output = running.output()
     if workers == 2:
         assert output.count(MEMORY_WARNING) == 2, output  # once in each worker
@@ -315,33 +241,19 @@ def test_memory_under_several_uvicorn_workers_warns_once_a_worker(workers: int):
 
 
 def test_memory_under_several_gunicorn_workers_warns_once_a_worker():
-    port = free_port()
-    env = {**os.environ, ENV_URL: "memory://", ENV_PREFIX: f"web-{uuid.uuid4().hex[:12]}"}
-    env.pop("WEB_CONCURRENCY", None)
-    command = [
-        sys.executable, "-m", "gunicorn", "-w", "2", "-b", f"127.0.0.1:{port}",
-        "tests.web_apps:create_wsgi_app()",
-    ]  # fmt: skip
-    with tempfile.TemporaryFile() as log:
-        proc = subprocess.Popen(
-            command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )  # fmt: skip
-        try:
-            wait_until(
-                lambda: log_text(log).count(MEMORY_WARNING) >= 2, proc, log, "gunicorn's workers"
-            )
-            with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=10) as http:
-                wait_until(
-                    lambda: (r := _get(http, "/health")) is not None and r.status_code == 200,
-                    proc,
-                    log,
-                    "gunicorn's /health",
-                )
-                assert http.get("/api/items").status_code == 200
-            output = log_text(log)
-        finally:
-            _stop(proc)
+    def command(port: int) -> list[str]:
+        return [
+            sys.executable, "-m", "gunicorn", "-w", "2", "-b", f"127.0.0.1:{port}",
+            "tests.web_apps:create_wsgi_app()",
+        ]  # fmt: skip
+
+    with web_process(command, "gunicorn", env=_env("memory://")) as running:
+        running.wait_until(
+            lambda: running.output().count(MEMORY_WARNING) >= 2, "gunicorn's workers"
+        )
+        with httpx.Client(base_url=running.url, timeout=10) as http:
+            assert http.get(API).status_code == 200
+    output = running.output()
     assert output.count(MEMORY_WARNING) == 2, output  # once in each worker (WSGI middleware)
     assert "(gunicorn with 2 workers)" in output
 
@@ -351,37 +263,27 @@ def test_memory_under_several_gunicorn_workers_warns_once_a_worker():
 
 @pytest.mark.parametrize("storage", ["memory", *FLAVORS[:1]])
 def test_demo_serve(storage: str, servers: dict[str, RedisServer]):
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    command = [str(Path(sys.executable).with_name("ratekeeper")), "demo", "--serve"]
-    command += ["--port", str(port)]
-    if storage != "memory":
-        # Query options reach redis-py: a slow store must not make the demo fail open.
-        command += [
-            "--storage",
-            f"{servers[storage].url}?socket_timeout=5&socket_connect_timeout=5",
-        ]
-    with tempfile.TemporaryFile() as log:
-        proc = subprocess.Popen(
-            command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-        )
-        try:
-            with httpx.Client(base_url=url, timeout=10) as http:
-                wait_until(
-                    lambda: (r := _get(http, "/health")) is not None and r.status_code == 200,
-                    proc,
-                    log,
-                    "ratekeeper demo --serve",
-                )
-                started = time.monotonic()
-                items = [http.get("/api/items") for _ in range(6)]
-                within = time.monotonic() - started
-                search = [http.get("/api/search") for _ in range(3)]
-                health = [http.get("/health") for _ in range(20)]
-            output = log_text(log)
-        finally:
-            code = _stop(proc)
-    assert code in (0, -signal.SIGTERM)
+    def command(port: int) -> list[str]:
+        argv = [str(Path(sys.executable).with_name("ratekeeper")), "demo", "--serve"]
+        argv += ["--port", str(port)]
+        if storage != "memory":
+            # Query options reach redis-py: a slow store must not make the demo fail open.
+            argv += [
+                "--storage",
+                f"{servers[storage].url}?socket_timeout=5&socket_connect_timeout=5",
+            ]
+        return argv
+
+    with web_process(command, "ratekeeper demo --serve") as running:
+        url = running.url
+        with httpx.Client(base_url=url, timeout=10) as http:
+            started = time.monotonic()
+            items = [http.get(API) for _ in range(6)]
+            within = time.monotonic() - started
+            search = [http.get("/api/search") for _ in range(3)]
+            health = [http.get("/health") for _ in range(20)]
+    output = running.output()
+    assert running.returncode in (0, -signal.SIGTERM)
     assert within < 10  # the window is 10 s: the sixth request must fall inside it
     assert url in output
     curl = [line for line in output.splitlines() if "curl" in line]

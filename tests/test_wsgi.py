@@ -4,12 +4,12 @@ directly under ``wsgiref.validate``, and a real ``wsgiref`` server; the Flask de
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import re
-import threading
 from collections.abc import Iterator
 from typing import Any
-from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+from wsgiref.simple_server import WSGIRequestHandler, make_server
 from wsgiref.util import setup_testing_defaults
 from wsgiref.validate import validator
 
@@ -21,6 +21,7 @@ from ratekeeper import AsyncLimiter, CircuitBreaker, ConfigError, Limiter, Polic
 from ratekeeper.identity import client_ip, first, header
 from ratekeeper.wsgi import RateLimitMiddleware, Rule, flask_limit, request_from_environ
 
+from .http_servers import in_thread
 from .servers import free_port
 from .web_apps import exact_options
 
@@ -472,21 +473,15 @@ class QuietHandler(WSGIRequestHandler):
 
 @pytest.fixture
 def wsgiref_server() -> Iterator[Any]:
-    """Serve the app given to ``start(app)`` on a free port, until the test ends."""
-    started: list[tuple[WSGIServer, threading.Thread]] = []
+    """Serve the app given to ``start(app)`` on a free port (its URL returned), until the test
+    ends."""
+    with contextlib.ExitStack() as running:
 
-    def start(app: Any) -> str:
-        server = make_server("127.0.0.1", 0, app, handler_class=QuietHandler)
-        thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05})
-        thread.start()
-        started.append((server, thread))
-        return f"http://127.0.0.1:{server.server_port}"
+        def start(app: Any) -> str:
+            server = make_server("127.0.0.1", 0, app, handler_class=QuietHandler)
+            return running.enter_context(in_thread(server))
 
-    yield start
-    for server, thread in started:
-        server.shutdown()
-        thread.join(10)
-        server.server_close()
+        yield start
 
 
 def test_a_real_wsgiref_server(server: Any, key_prefix: str, wsgiref_server: Any):

@@ -26,7 +26,6 @@ import asyncio
 import contextlib
 import math
 import shutil
-import signal
 import subprocess
 import tempfile
 import threading
@@ -46,6 +45,7 @@ from ratekeeper import AsyncLimiter, BreakerState, Decision, Limiter, Policy
 from ratekeeper._keys import Identity
 from ratekeeper.metrics import Metrics
 
+from .processes import stop_process
 from .servers import RedisServer, ServerBinary, free_port
 
 T = TypeVar("T")
@@ -491,13 +491,8 @@ class SentinelServer:
         return self
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
+        if self.proc is not None:
+            stop_process(self.proc)
         self.proc = None
         shutil.rmtree(self.dir, ignore_errors=True)
 

@@ -1,4 +1,4 @@
-"""Worker functions for the multi-process tests.
+"""Worker functions for the multi-process tests, and :class:`Processes`, which runs them.
 
 They live at module level in an importable module so that ``multiprocessing``'s "spawn" and
 "forkserver" start methods can import them in the child. Each worker builds its own limiter,
@@ -24,6 +24,52 @@ from ratekeeper._breaker import CircuitBreaker
 BARRIER_TIMEOUT = 60.0
 #: Reply and connect timeout for worker limiters: long enough never to fire on a loaded machine.
 STORE_TIMEOUT = 10.0
+#: Seconds the parent waits for each worker's report.
+REPORT_TIMEOUT = 120.0
+
+
+class Processes:
+    """``count`` processes of the ``multiprocessing`` context ``ctx``, each running
+    ``target(**kwargs, queue=...)``: started on entering, reaped on leaving (killed if one has
+    not exited 30 s after the block)."""
+
+    def __init__(self, ctx: Any, target: Any, count: int, **kwargs: Any) -> None:
+        self.queue = ctx.Queue()
+        self.procs = [
+            ctx.Process(target=target, kwargs={**kwargs, "queue": self.queue}) for _ in range(count)
+        ]
+
+    def __enter__(self) -> Processes:
+        for proc in self.procs:
+            proc.start()
+        return self
+
+    def reports(self, timeout: float = REPORT_TIMEOUT) -> list[dict[str, Any]]:
+        """One report from each process (``timeout`` seconds for each)."""
+        return [self.queue.get(timeout=timeout) for _ in self.procs]
+
+    def __exit__(self, *exc: object) -> None:
+        for proc in self.procs:
+            proc.join(30)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(10)
+        self.queue.close()
+        self.queue.join_thread()
+
+
+def run_processes(
+    ctx: Any, target: Any, count: int, *, timeout: float = REPORT_TIMEOUT, **kwargs: Any
+) -> list[dict[str, Any]]:
+    """The reports of ``count`` :class:`Processes` running ``target``. Every process must exit
+    0 and report, from a process of its own, no error."""
+    with Processes(ctx, target, count, **kwargs) as running:
+        results = running.reports(timeout)
+    assert [proc.exitcode for proc in running.procs] == [0] * count
+    assert len({result["pid"] for result in results}) == count
+    for result in results:
+        assert result["errors"] == []
+    return results
 
 
 def exact_options(key_prefix: str, *, server: bool = True) -> dict[str, Any]:

@@ -24,7 +24,8 @@ from ._breaker import BreakerState
 from ._clock import ManualClock
 from ._decision import Decision
 from ._errors import StorageError, StorageUnavailable
-from ._rates import parse_rates
+from ._policy import Policy
+from ._rates import Rate, parse_rates
 from ._scripts import Script
 from ._storage.memory import AsyncMemoryStorage, MemoryStorage
 from .metrics import Metrics
@@ -104,18 +105,23 @@ class RecordingMetrics(Metrics):
 def decision(
     allowed: bool = True,
     *,
-    rate: str = "10/minute",
+    rate: str | Rate = "10/minute",
     remaining: int | None = None,
     reset_after: float = 0.0,
     retry_after: float | None = None,
-    policy: str = "test",
+    policy: str | Policy = "test",
     degraded: bool = False,
     reason: str | None = None,
 ) -> Decision:
-    """A decision under ``rate`` (one rate, as ``Policy`` parses it): by default an admission
-    with the whole limit left, or with ``allowed=False`` a denial with nothing left and a
-    ``retry_after`` of the rate's period."""
-    (parsed,) = parse_rates(rate)
+    """A decision under ``rate`` (a Rate, or one rate as ``Policy`` parses it) of ``policy``
+    (a Policy or its name): by default an admission with the whole limit left, or with
+    ``allowed=False`` a denial with nothing left and a ``retry_after`` of the rate's period."""
+    if isinstance(rate, Rate):
+        parsed = rate
+    else:
+        (parsed,) = parse_rates(rate)
+    if isinstance(policy, Policy):
+        policy = policy.name
     if remaining is None:
         remaining = parsed.limit - 1 if allowed else 0
     if retry_after is None and not allowed:

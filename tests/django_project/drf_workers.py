@@ -19,12 +19,12 @@ def hammer(
     threads: int,
     per_thread: int,
     barrier: Any,
-    results: Any,
+    queue: Any,
 ) -> None:
     """For each of ``view_names`` (``ratekeeper``, ``drf``) in turn, call that view
     ``per_thread`` times from each of ``threads`` threads, all processes' threads released
     together by ``barrier``; put ``{"pid", "statuses": {view: [...]}, "errors"}`` on
-    ``results``."""
+    ``queue``."""
     os.environ["RATEKEEPER_DJANGO_STORAGE_URL"] = url
     os.environ["RATEKEEPER_DJANGO_KEY_PREFIX"] = key_prefix
     from . import configure
@@ -59,4 +59,4 @@ def hammer(
             worker.start()
         for worker in workers:
             worker.join()
-    results.put({"pid": os.getpid(), "statuses": statuses, "errors": errors})
+    queue.put({"pid": os.getpid(), "statuses": statuses, "errors": errors})
