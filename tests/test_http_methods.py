@@ -13,6 +13,7 @@ from typing import Any
 
 import flask
 import pytest
+import werkzeug.test
 from fastapi import Depends, FastAPI
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
@@ -357,3 +358,78 @@ def test_a_bad_preflight_option_is_a_config_error(preflight: Any):
                 fastapi_dependency(limiter, policy, preflight=preflight)
 
     asyncio.run(main())
+
+
+# --- method names in any case ---------------------------------------------------------------
+
+LOGIN_POST = Policy("login-post", "3/minute")
+
+
+def test_a_lower_case_post_is_charged_by_a_post_rule_behind_the_wsgi_middleware_on_flask():
+    """Werkzeug routes a ``post`` to the POST view: the POST rule must charge it."""
+    runs: list[str] = []
+    with Limiter.from_url("memory://") as limiter:
+        app = flask.Flask("ratekeeper-lower-case")
+
+        @app.post("/login")
+        def login() -> Any:
+            runs.append(flask.request.method)
+            return {"ok": True}
+
+        rule = wsgi.Rule("/login", LOGIN_POST, methods={"POST"})
+        app.wsgi_app = wsgi.RateLimitMiddleware(app.wsgi_app, limiter=limiter, rules=[rule])  # type: ignore[method-assign]
+        statuses = []
+        for _ in range(9):
+            environ = werkzeug.test.EnvironBuilder("/login", method="POST").get_environ()
+            environ["REQUEST_METHOD"] = "post"  # as a client may send it; test clients upper it
+            response = werkzeug.test.run_wsgi_app(app, environ)
+            statuses.append(int(response[1].split()[0]))
+    assert statuses == [200] * 3 + [429] * 6
+    assert runs == ["POST"] * 3  # the view ran exactly as often as the limit allows
+
+
+def test_a_lower_case_post_is_charged_by_a_post_rule_behind_the_asgi_middleware():
+    runs: list[str] = []
+
+    async def handler(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        runs.append(scope["method"])
+        await plain_app(scope, receive, send)
+
+    async def main() -> list[int]:
+        async with AsyncLimiter.from_url("memory://") as limiter:
+            rule = asgi.Rule("/login", LOGIN_POST, methods={"POST"})
+            app = asgi.RateLimitMiddleware(handler, limiter=limiter, rules=[rule])
+            statuses = []
+            for _ in range(9):
+                sent: list[dict[str, Any]] = []
+
+                async def receive() -> dict[str, Any]:
+                    return {"type": "http.request", "body": b"", "more_body": False}
+
+                async def send(message: dict[str, Any]) -> None:
+                    sent.append(message)  # noqa: B023 (awaited before the next round)
+
+                scope = {
+                    "type": "http",
+                    "method": "post",  # raw, as a server passes what the client sent
+                    "path": "/login",
+                    "headers": [],
+                    "client": (PEER, 40000),
+                }
+                await app(scope, receive, send)
+                statuses.append(sent[0]["status"])
+            return statuses
+
+    assert asyncio.run(main()) == [200] * 3 + [429] * 6
+    assert runs == ["post"] * 3
+
+
+@pytest.mark.parametrize("methods", [{"PSOT"}, {"GET", "get", "Fetch"}])
+def test_a_rule_naming_no_http_method_is_refused(methods: set[str]):
+    bad = sorted(m.upper() for m in methods if m.upper() not in {"GET"})
+    with pytest.raises(ConfigError, match=f"rule methods {bad[0]!r}.* are not HTTP methods"):
+        asgi.Rule("/login", LOGIN_POST, methods=methods)
+    assert asgi.Rule("/cache/*", LOGIN_POST, methods={"purge", "PROPFIND"}).methods == {
+        "PURGE",
+        "PROPFIND",
+    }

@@ -15,8 +15,10 @@ class Request:
     """What a key function sees of a request, the same under ASGI and WSGI.
 
     ``headers`` maps lower-case names to values; repeated headers are joined with ``", "`` in
-    the order received, as RFC 9110 allows for list-valued fields. ``peer`` is the address of
-    the connecting socket (the last proxy, if any), or None when the server does not say.
+    the order received, as RFC 9110 allows for list-valued fields. ``method`` is upper case,
+    as frameworks route it (a ``post`` reaches the POST handler, and a POST rule). ``peer`` is
+    the address of the connecting socket (the last proxy, if any), or None when the server
+    does not say.
     ``raw`` is the ASGI scope, the WSGI environ or the framework's request, for key functions
     that need more.
     """

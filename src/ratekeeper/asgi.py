@@ -62,7 +62,7 @@ def request_from_scope(scope: Scope) -> Request:
     when first read)."""
     client = scope.get("client")
     return Request(
-        method=scope.get("method", "GET"),
+        method=scope.get("method", "GET").upper(),  # as frameworks route it
         path=scope.get("path", "/"),
         headers=LazyHeaders(scope.get("headers") or (), _scope_headers),
         peer=client[0] if client else None,

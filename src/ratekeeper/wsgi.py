@@ -51,7 +51,7 @@ def _environ_headers(environ: dict[str, Any]) -> dict[str, str]:
 def request_from_environ(environ: dict[str, Any]) -> Request:
     """The framework-free view of a WSGI environ (its headers are decoded when first read)."""
     return Request(
-        method=environ.get("REQUEST_METHOD", "GET"),
+        method=environ.get("REQUEST_METHOD", "GET").upper(),  # as Werkzeug and Django route it
         path=environ.get("PATH_INFO", "/") or "/",
         headers=LazyHeaders(environ, _environ_headers),
         peer=environ.get("REMOTE_ADDR") or None,

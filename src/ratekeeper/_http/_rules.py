@@ -19,13 +19,62 @@ if TYPE_CHECKING:
     pass
 
 
+#: The methods of the IANA HTTP Method Registry, and PURGE (caches): what a rule may name.
+HTTP_METHODS = frozenset(
+    [
+        "ACL",
+        "BASELINE-CONTROL",
+        "BIND",
+        "CHECKIN",
+        "CHECKOUT",
+        "CONNECT",
+        "COPY",
+        "DELETE",
+        "GET",
+        "HEAD",
+        "LABEL",
+        "LINK",
+        "LOCK",
+        "MERGE",
+        "MKACTIVITY",
+        "MKCALENDAR",
+        "MKCOL",
+        "MKREDIRECTREF",
+        "MKWORKSPACE",
+        "MOVE",
+        "OPTIONS",
+        "ORDERPATCH",
+        "PATCH",
+        "POST",
+        "PRI",
+        "PROPFIND",
+        "PROPPATCH",
+        "PURGE",
+        "PUT",
+        "QUERY",
+        "REBIND",
+        "REPORT",
+        "SEARCH",
+        "TRACE",
+        "UNBIND",
+        "UNCHECKOUT",
+        "UNLINK",
+        "UNLOCK",
+        "UPDATE",
+        "UPDATEREDIRECTREF",
+        "VERSION-CONTROL",
+    ]
+)
+
+
 @dataclass(frozen=True, slots=True)
 class Rule:
     """A route: requests whose method and path match are limited by ``policy``.
 
     ``path`` is a glob (``/api/*``, ``/users/*/avatar``; ``*`` matches anything, including
     ``/``) or a compiled regular expression (matched with ``fullmatch``). ``methods`` is a set
-    of methods (any case), or None for any; they match as frameworks route them: Starlette,
+    of HTTP methods (any case; a name that is not one is a ConfigError), or None for any; a
+    request's method matches in any case too. They match as frameworks route them: Starlette,
     Flask and Django's class-based views serve HEAD with the GET handler, so a rule naming GET
     also charges HEAD. A rule that names "OPTIONS" charges every OPTIONS request, CORS
     preflights included.
@@ -71,6 +120,12 @@ class Rule:
             methods = frozenset(m.upper() for m in self.methods)
             if not methods:
                 raise ConfigError("rule methods must name at least one method (None for any)")
+            unknown = sorted(methods - HTTP_METHODS)
+            if unknown:
+                raise ConfigError(
+                    f"rule methods {', '.join(map(repr, unknown))} are not HTTP methods (the "
+                    "IANA registry's, and PURGE): a misspelt one would never match"
+                )
             object.__setattr__(self, "methods", methods)
         if self.key is not None and not callable(self.key):
             raise ConfigError(f"rule key must be a callable of the request, got {self.key!r}")
