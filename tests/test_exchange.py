@@ -5,6 +5,8 @@ Every transport drives this object, so what it decides here is what each of them
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 import redis
 from redis.exceptions import (
@@ -124,6 +126,47 @@ def test_a_timeout_is_never_sent_again() -> None:
     assert exchange.timed_out(redis.TimeoutError("no reply")) == DONE
     with pytest.raises(StorageTimeout):
         exchange.outcome()
+
+
+@pytest.mark.parametrize(
+    "exc",
+    [
+        redis.TimeoutError("no reply"),
+        TimeoutError("ETIMEDOUT"),  # the kernel's: a timeout on every transport, as redis-py has it
+        BlockingIOError("EAGAIN"),  # a socket timeout set in the kernel
+        asyncio.TimeoutError(),  # not a TimeoutError before Python 3.11
+    ],
+    ids=["redis", "builtin", "eagain", "asyncio"],
+)
+@pytest.mark.parametrize("sent", [False, True], ids=["on-write", "on-read"])
+def test_every_transport_failure_that_is_a_timeout_is_one_never_sent_again(
+    exc: Exception, sent: bool
+) -> None:
+    """``Exchange.failed`` is the one classification the three transports share."""
+    exchange = _exchange()
+    assert exchange.failed(exc, sent=sent, seconds=0.02) == DONE
+    with pytest.raises(StorageTimeout):
+        exchange.outcome()
+
+
+@pytest.mark.parametrize(
+    "exc",
+    [redis.ConnectionError("reset"), ConnectionResetError(104, "reset"), OSError(32, "EPIPE")],
+    ids=["redis", "reset", "oserror"],
+)
+def test_a_connection_broken_on_the_write_is_sent_again_once_and_after_it_never(
+    exc: Exception,
+) -> None:
+    on_write = _exchange()
+    assert on_write.failed(exc, sent=False, seconds=0.02) == RECONNECT
+    assert on_write.command == EVALSHA
+    assert on_write.failed(exc, sent=False, seconds=0.02) == DONE
+    with pytest.raises(StorageUnavailable):
+        on_write.outcome()
+    on_read = _exchange()
+    assert on_read.failed(exc, sent=True, seconds=0.02) == DONE  # it may have run
+    with pytest.raises(StorageUnavailable):
+        on_read.outcome()
 
 
 def test_the_command_path_reports_raised_errors() -> None:

@@ -7,8 +7,11 @@ One job per module:
 ``_compat``        the supported redis-py and hiredis versions, and every switch between them
 ``_errors``        redis-py's errors and error replies mapped onto ratekeeper's tree
 ``_exchange``      running one script call, without I/O: EVALSHA, NOSCRIPT, resend, classify
+``_wire``          what the transports share: rounds packed, replies read, idle sockets checked
 ``_blocking``      the blocking transport to one server
-``_pipeline``      the asyncio pipeline: many exchanges over one connection
+``_pipeline``      the asyncio pipeline: many exchanges over one redis-py connection
+``_link``          one of ratekeeper's own asyncio connections: an ``asyncio.Protocol``
+``_protocol``      the pool of those links to one server, and the exchanges driven over them
 ``_batch``         auto-batching of asyncio calls into pipelines
 ``_command``       redis-py's command path (clusters)
 ``_sentinel``      following a Sentinel failover

@@ -1,58 +1,55 @@
 """The blocking transport to one server: exchanges driven over redis-py connections.
 
-It moves bytes for an ``Exchange`` and reports what happened; the exchange decides the rest. It
-skips what redis-py does around every command and a limiter does not need (a pool check-out
-with its lock, the retry wrapper, response callbacks): commands are packed by hiredis, and on
-Linux (not TLS) written and read straight on the socket, with the timeout set in the kernel
-(``SO_SNDTIMEO``/``SO_RCVTIMEO``) so that a call is one ``send`` and one ``recv``.
+It moves bytes for an ``Exchange`` and reports what happened; the exchange decides the rest
+(``Exchange.failed`` for a failed write or read). It skips what redis-py does around every
+command and a limiter does not need (a pool check-out with its lock, the retry wrapper, response
+callbacks): commands are packed by hiredis (``_wire``), and on Linux (not TLS) written and read
+straight on the socket, by a hiredis reader of its own per socket (``_wire.read_reply``), with
+the timeout set in the kernel (``SO_SNDTIMEO``/``SO_RCVTIMEO``) so that a call is one ``send``
+and one ``recv``.
 
 Connections: to a plain server (TCP or unix socket, not TLS) they are taken from the client's
 pool once and kept on a stack; a thread pops one, so threads never share a connection. Before
-each write a kept connection is polled: readable while idle means the server closed it (a
-restart, an idle timeout, CLIENT KILL), which the exchange treats as a connection that broke
-before the request could run. Through Sentinel, or over TLS, each call checks a connection out
-of redis-py's pool and back, as redis-py does (its check-out makes the same staleness check,
-and a Sentinel master switch disconnects only connections checked in). A connection whose
-exchange did not end on a reply is disconnected, so no late reply can be read as another's.
+each write a kept connection is checked (``_wire.IdleCheck``): readable while idle means the
+server closed it (a restart, an idle timeout, CLIENT KILL), which the exchange treats as a
+connection that broke before the request could run. Through Sentinel, or over TLS, each call
+checks a connection out of redis-py's pool and back, as redis-py does (its check-out makes the
+same staleness check, and a Sentinel master switch disconnects only connections checked in).
+A connection whose exchange did not end on a reply is disconnected, so no late reply can be
+read as another's.
 
-redis-py internals: ``Connection._sock``, ``Connection._parser._reader`` (the hiredis reader,
-whose replies are redis-py's own objects, error replies as exceptions), ``connect``,
+redis-py internals: ``Connection._sock``, ``Connection._parser._reader`` (only whether it is
+set: redis-py reads the connection with hiredis, so the raw path reads as it would), ``connect``,
 ``disconnect``, ``send_packed_command``, ``read_response``, ``socket_timeout``; the pool's
-``get_connection``/``release`` through ``_compat``.
+``get_connection``/``release`` through ``_compat``. What it keeps per socket is in an attribute
+of its own on the connection, ``_ratekeeper``.
 Tested with redis-py 5.0.1 (the floor) to 8.1.0, in CI's three environments.
 """
 
 from __future__ import annotations
 
 import os
-import select
 import socket
 import struct
 import sys
 import time
 import weakref
-from collections.abc import Callable
-from typing import Any, cast
+from typing import Any
 
 import redis
-from hiredis import pack_command as _hiredis_pack
 
 from ..._scripts import Script
 from ..base import SENT
-from ._compat import INCOMPLETE, get_connection
-from ._errors import CLIENT_ERRORS, as_broken, as_timeout, translate
+from ._compat import get_connection
+from ._errors import CLIENT_ERRORS, IO_ERRORS, translate
 from ._exchange import DONE, RECONNECT, Exchange
+from ._wire import CAN_POLL, IdleCheck, closed_while_idle, new_reader, pack_command, read_reply
 
-__all__ = ["BlockingTransport", "can_keep", "pack_command"]
-
-#: hiredis's RESP encoder, several times faster than redis-py's (its stub types the argument
-#: as a 1-tuple).
-pack_command = cast(Callable[[tuple[Any, ...]], bytes], _hiredis_pack)
+__all__ = ["BlockingTransport", "can_keep"]
 
 #: Linux sockets time out in the kernel (SO_SNDTIMEO, SO_RCVTIMEO), so a blocking call makes
 #: one syscall per send and per receive. A Python socket with a timeout polls before each.
 _KERNEL_TIMEOUTS = sys.platform.startswith("linux")
-_CAN_POLL = hasattr(select, "poll")
 
 
 def can_keep(client: Any) -> bool:
@@ -60,7 +57,7 @@ def can_keep(client: Any) -> bool:
     server that is not behind TLS (whose idle sockets can be readable for TLS's own records)."""
     pool = getattr(client, "connection_pool", None)
     return (
-        _CAN_POLL
+        CAN_POLL
         and type(client) is redis.Redis
         and type(pool) is redis.ConnectionPool
         and not issubclass(pool.connection_class, redis.SSLConnection)
@@ -150,30 +147,29 @@ def _step(connection: Any, exchange: Exchange, check_idle: bool) -> int:
             return exchange.unsent(exc, broke=False)
         exchange.sent = time.perf_counter()  # the set-up is not the store's round trip
     packed = pack_command(exchange.command)
-    raw = _raw_state(connection)
-    if check_idle and _readable(connection, raw):
+    kept = connection.__dict__.get("_ratekeeper")
+    if kept is None or kept.sock is not connection._sock:
+        kept = _Socket(connection)
+    if check_idle and kept.idle.closed():
         connection.disconnect()
-        closed = redis.ConnectionError("the server closed the connection while it was idle")
-        return exchange.unsent(closed, broke=True)
+        return exchange.unsent(closed_while_idle(), broke=True)
+    reader = kept.reader
     try:
-        if raw is not None:
-            connection._sock.sendall(packed)
+        if reader is not None:
+            kept.sock.sendall(packed)
         else:
             connection.send_packed_command([packed], False)
-    except (redis.TimeoutError, BlockingIOError, TimeoutError) as exc:
+    except IO_ERRORS as exc:
         connection.disconnect()
-        return exchange.timed_out(as_timeout(exc, connection.socket_timeout))
-    except (redis.ConnectionError, OSError) as exc:
-        connection.disconnect()
-        return exchange.unsent(as_broken(exc), broke=True)
+        return exchange.failed(exc, sent=False, seconds=connection.socket_timeout)
     try:
-        reply = _read_raw(connection, raw) if raw is not None else _read(connection)
-    except (redis.TimeoutError, BlockingIOError, TimeoutError) as exc:
+        if reader is not None:
+            reply = read_reply(reader, kept.sock, kept.buffer)
+        else:
+            reply = _read(connection)
+    except IO_ERRORS as exc:
         connection.disconnect()
-        return exchange.timed_out(as_timeout(exc, connection.socket_timeout))
-    except (*CLIENT_ERRORS, OSError) as exc:
-        connection.disconnect()
-        return exchange.lost(as_broken(exc))
+        return exchange.failed(exc, sent=True, seconds=connection.socket_timeout)
     return exchange.replied(reply)
 
 
@@ -185,57 +181,37 @@ def _read(connection: Any) -> Any:
         return exc
 
 
-def _raw_state(connection: Any) -> tuple[Any, bytearray, Any] | None:
-    """(socket, read buffer, poller) for reading ``connection`` straight from its socket, set up
-    once per socket: blocking, with the connection's timeout in the kernel. None where that
-    path does not apply (not Linux, TLS, no hiredis reader)."""
-    sock = connection._sock
-    state = connection.__dict__.get("_ratekeeper")
-    if state is not None and state[0] is sock:
-        return cast(tuple[Any, bytearray, Any], state)
-    if (
-        not _KERNEL_TIMEOUTS
-        or isinstance(connection, redis.SSLConnection)
-        or getattr(connection._parser, "_reader", None) is None
-    ):
-        return None
-    timeout = connection.socket_timeout
-    sock.settimeout(None)
-    if timeout is not None:
-        # (0, 0) would mean no timeout at all: never less than a microsecond.
-        seconds, micros = divmod(max(1, round(timeout * 1_000_000)), 1_000_000)
-        timeval = struct.pack("ll", seconds, micros)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval)
-    poller = select.poll()
-    poller.register(sock, select.POLLIN)
-    state = connection._ratekeeper = (sock, bytearray(65536), poller)
-    return state
+class _Socket:
+    """What the transport keeps for the socket a connection has now (a new socket, after a
+    reconnect, gets its own): its idle check, and where its replies can be read straight from
+    it (Linux, not TLS, redis-py reading it with hiredis), a reader and a buffer of its own,
+    with the socket made blocking and the connection's timeout set in the kernel."""
+
+    __slots__ = ("buffer", "idle", "reader", "sock")
+
+    def __init__(self, connection: Any) -> None:
+        sock = self.sock = connection._sock
+        tls = isinstance(connection, redis.SSLConnection)
+        self.idle = IdleCheck(sock, tls=tls)
+        self.reader: Any = None
+        self.buffer = bytearray()
+        if _KERNEL_TIMEOUTS and not tls and _hiredis_reads(connection):
+            timeout = connection.socket_timeout
+            sock.settimeout(None)
+            if timeout is not None:
+                # (0, 0) would mean no timeout at all: never less than a microsecond.
+                seconds, micros = divmod(max(1, round(timeout * 1_000_000)), 1_000_000)
+                timeval = struct.pack("ll", seconds, micros)
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval)
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval)
+            self.reader = new_reader()
+            self.buffer = bytearray(65536)
+        connection._ratekeeper = self
 
 
-def _readable(connection: Any, raw: tuple[Any, bytearray, Any] | None) -> bool:
-    """Whether an idle connection has something to read: the server's close, most likely."""
-    if raw is not None:
-        return bool(raw[2].poll(0))
-    poller = select.poll()
-    poller.register(connection._sock, select.POLLIN)
-    return bool(poller.poll(0))
-
-
-def _read_raw(connection: Any, raw: tuple[Any, bytearray, Any]) -> Any:
-    """The reply read straight from the socket by the hiredis reader of redis-py's parser."""
-    sock, buffer, _ = raw
-    reader = connection._parser._reader
-    reply = reader.gets()
-    while reply is INCOMPLETE:
-        n = sock.recv_into(buffer)
-        if n == 0:
-            raise redis.ConnectionError("Connection closed by server.")
-        reader.feed(buffer, 0, n)
-        reply = reader.gets()
-    if isinstance(reply, redis.ConnectionError):
-        raise reply
-    return reply
+def _hiredis_reads(connection: Any) -> bool:
+    """Whether redis-py reads ``connection`` with hiredis (not a parser class of the user's)."""
+    return getattr(connection._parser, "_reader", None) is not None
 
 
 _TRANSPORTS: weakref.WeakSet[BlockingTransport] = weakref.WeakSet()

@@ -6,8 +6,7 @@ depends on which supported version is installed.
 
 redis-py internals: ``ConnectionPool.get_connection`` (sync and asyncio; the command name it
 required before 5.3 is deprecated after), ``ClusterNode.release`` (asyncio; before 6.2 only
-the free list ``_free``), ``redis._parsers.hiredis.NOT_ENOUGH_DATA`` (from 5.0.8; before, an
-incomplete reply reads as False), ``redis.utils.HIREDIS_AVAILABLE`` (whether redis-py uses the
+the free list ``_free``), ``redis.utils.HIREDIS_AVAILABLE`` (whether redis-py uses the
 installed hiredis), the cluster clients' ``cluster_error_retry_attempts`` (before 6.0; after,
 their ``retry``). Each switch is one "older than" threshold, so CI's two extra environments,
 the floor below and the newest release, take every branch of every switch (the main one runs
@@ -22,7 +21,6 @@ from typing import Any
 
 import hiredis
 import redis
-import redis._parsers.hiredis
 import redis.asyncio
 import redis.utils
 
@@ -30,7 +28,6 @@ from ..._errors import ConfigError
 
 __all__ = [
     "CLUSTER_OPTIONS",
-    "INCOMPLETE",
     "MIN_HIREDIS",
     "MIN_REDIS",
     "aget_connection",
@@ -107,8 +104,3 @@ def release_node_connection(node: Any, connection: Any) -> None:
         release(connection)
     else:
         node._free.append(connection)
-
-
-#: What hiredis's reader returns while a reply is incomplete: redis-py >= 5.0.8 asks for a
-#: sentinel object, older releases get False.
-INCOMPLETE: Any = getattr(redis._parsers.hiredis, "NOT_ENOUGH_DATA", False)

@@ -15,6 +15,8 @@ Tested with redis-py 5.0.1 (the floor) to 8.1.0, in CI's three environments.
 
 from __future__ import annotations
 
+import asyncio
+
 import redis
 from redis.exceptions import (
     AskError,
@@ -35,11 +37,28 @@ from ..._errors import (
     StorageUnavailable,
 )
 
-__all__ = ["CLIENT_ERRORS", "REROUTE", "as_broken", "as_timeout", "translate"]
+__all__ = [
+    "CLIENT_ERRORS",
+    "IO_ERRORS",
+    "REROUTE",
+    "TIMEOUTS",
+    "as_broken",
+    "as_timeout",
+    "translate",
+]
 
-#: Exceptions of the store's client library. Transports catch these (and socket errors, which
-#: they turn into redis-py's own) and nothing else.
+#: Exceptions of the store's client library. What a transport catches around redis-py's calls
+#: (a connect, a check-out), and nothing else.
 CLIENT_ERRORS = (redis.RedisError, RedisClusterException)
+
+#: A write or a read that ran out of time: redis-py's timeout, the socket's (``TimeoutError``,
+#: also the kernel's ETIMEDOUT, as redis-py counts it), a blocking socket's whose timeout is in
+#: the kernel (``BlockingIOError``: EAGAIN), asyncio's (a class of its own before Python 3.11).
+TIMEOUTS = (redis.TimeoutError, TimeoutError, BlockingIOError, asyncio.TimeoutError)
+
+#: What a transport catches around its own writes and reads, and hands to the exchange
+#: (``Exchange.failed``): timeouts, client errors, and socket errors (``OSError``).
+IO_ERRORS = (*TIMEOUTS, *CLIENT_ERRORS, OSError)
 
 #: Error replies about the store's state, by the code that starts their message. redis-py strips
 #: the code from the message of the replies it has a class for, so those are told by class.

@@ -4,8 +4,8 @@ An ``Exchange`` is one call's conversation with the store. It says what to send
 (``exchange.command``), and each transport tells it what happened; it answers with what to do
 next (``SEND``, ``RECONNECT`` or ``DONE``). Every transport drives it the same way: the blocking
 path (``_blocking``), the asyncio pipeline (``_pipeline``, a batch of exchanges per round trip,
-also per cluster node) and redis-py's command path (``_command``). A transport only moves
-bytes; the rule lives here:
+also per cluster node), ratekeeper's own asyncio links (``_protocol``) and redis-py's command
+path (``_command``). A transport only moves bytes; the rule lives here:
 
 - ``EVALSHA`` first. On NOSCRIPT (a restart, ``SCRIPT FLUSH``, a failover to a replica with a
   cold cache): ``SCRIPT LOAD``, then ``EVALSHA`` again; on a second NOSCRIPT (flushed once more
@@ -19,7 +19,9 @@ bytes; the rule lives here:
 - Every reply and client error is classified once, by ``_errors.translate``: a result,
   a ``StorageError`` (the failure mode applies) or ``RequestRejected`` (raised).
 
-Transports report only client-library errors here. Anything else raised while they run (a
+A transport's own writes and reads fail with one set of exceptions (``_errors.IO_ERRORS``),
+which ``failed`` classifies for all of them: a timeout whenever it happened, a broken
+connection by whether the write had gone out. Anything else raised while they run (a
 ``TypeError``, a bug) is not the store failing: it propagates to the caller untouched.
 
 redis-py internals: none. Error replies arrive as the exception objects redis-py's parser
@@ -36,7 +38,7 @@ from redis.exceptions import NoScriptError, ResponseError
 
 from ..._errors import RequestRejected, StorageError
 from ..._scripts import Script
-from ._errors import translate
+from ._errors import TIMEOUTS, as_broken, as_timeout, translate
 
 __all__ = ["DONE", "RECONNECT", "SEND", "Exchange"]
 
@@ -71,6 +73,7 @@ class Exchange:
         "done",
         "error",
         "key",
+        "loading",
         "result",
         "script",
         "sent",
@@ -89,23 +92,21 @@ class Exchange:
         #: Whether ``result`` or ``error`` is final.
         self.done = False
         self._stage = _EVALSHA
+        #: Whether ``command`` is the script's ``SCRIPT LOAD``, the same for every call of the
+        #: script (a batch sends it once and feeds the reply to each).
+        self.loading = False
         self._reconnected = False
         #: When its last round trip began (``time.perf_counter()``), set by the transports
         #: where it differs from when the caller asked: after a queue, a new connection or a
         #: script load; 0.0 if it did not. The breaker judges the store by that round trip.
         self.sent = 0.0
 
-    @property
-    def loading(self) -> bool:
-        """Whether ``command`` is the script's ``SCRIPT LOAD``, the same for every call of the
-        script (a batch sends it once and feeds the reply to each)."""
-        return self._stage == _LOAD
-
     def replied(self, reply: Any) -> int:
         """The server answered ``command`` with ``reply`` (an error reply as an exception)."""
         if not isinstance(reply, Exception):
             if self._stage == _LOAD:
                 self._stage = _RETRY
+                self.loading = False
                 self.command = self._call
                 return SEND
             self.result = reply
@@ -114,6 +115,7 @@ class Exchange:
         if isinstance(reply, NoScriptError) and self._stage in (_EVALSHA, _RETRY):
             if self._stage == _EVALSHA:
                 self._stage = _LOAD
+                self.loading = True
                 self.command = _load_command(self.script)
             else:  # flushed again between the load and the call
                 self._stage = _EVAL
@@ -128,6 +130,18 @@ class Exchange:
             self._reconnected = True
             return RECONNECT
         return self._fail(exc)
+
+    def failed(self, exc: BaseException, *, sent: bool, seconds: float | None) -> int:
+        """The transport's own write of ``command`` (``sent=False``) or read of its reply
+        (``sent=True``) raised ``exc``, one of ``IO_ERRORS``. A timeout is ``timed_out``
+        wherever it happened (a write that timed out may have gone out; ``seconds``, the
+        transport's timeout, for its message); a connection that broke on the write is
+        ``unsent`` (sent again once), one that broke after it ``lost``."""
+        if isinstance(exc, TIMEOUTS):
+            return self.timed_out(as_timeout(exc, seconds))
+        if sent:
+            return self.lost(as_broken(exc))
+        return self.unsent(as_broken(exc), broke=True)
 
     def lost(self, exc: Exception) -> int:
         """The connection broke after ``command`` was written: it may have run."""

@@ -1,30 +1,29 @@
 """One of ratekeeper's own asyncio connections: an ``asyncio.Protocol`` that writes a round of
-commands and reads their replies with hiredis, as ``Round`` objects in the order sent. The
-pool of them, and what a round means for the exchanges it carries, is ``_protocol``."""
+commands and reads their replies with hiredis (``_wire.new_reader``), as ``Round`` objects in
+the order sent; before a write, ``usable`` says whether the server closed it while it was idle
+(``_wire.IdleCheck``). The pool of them, and what a round means for the exchanges it carries,
+is ``_protocol``.
+
+redis-py internals: none here (the reader's, in ``_wire``).
+"""
 
 from __future__ import annotations
 
 import asyncio
-import select
 from collections import deque
 from typing import TYPE_CHECKING, Any
 
-import hiredis
 import redis
-from redis._parsers import BaseParser
 from redis.exceptions import InvalidResponse
 
 from ._batch import Pending
 from ._exchange import DONE
+from ._wire import INCOMPLETE, IdleCheck, new_reader
 
 if TYPE_CHECKING:
     from ._protocol import Links
 
 __all__ = ["Link", "Round"]
-
-#: What the hiredis reader returns while a reply is incomplete (a RESP2 reply is never this).
-_INCOMPLETE = object()
-_CAN_POLL = hasattr(select, "poll")
 
 
 class Round:
@@ -58,26 +57,19 @@ class Link(asyncio.Protocol):
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
         self.transport: asyncio.Transport | None = None
-        self.reader = hiredis.Reader(
-            protocolError=InvalidResponse,
-            replyError=BaseParser.parse_error,
-            notEnoughData=_INCOMPLETE,
-        )
+        self.reader = new_reader()
         self.rounds: deque[Round] = deque()
         #: Set once the connection is lost (then ``rounds`` is empty for good).
         self.lost: BaseException | None = None
         self.gone: asyncio.Future[None] = loop.create_future()
-        self._poller: Any = None
+        self._idle: IdleCheck | None = None
 
     # --- asyncio.Protocol -------------------------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
-        sock = transport.get_extra_info("socket")
-        if _CAN_POLL and sock is not None and transport.get_extra_info("sslcontext") is None:
-            # TLS's own records can make an idle socket readable: there only the loop counts.
-            self._poller = select.poll()
-            self._poller.register(sock.fileno(), select.POLLIN)
+        tls = transport.get_extra_info("sslcontext") is not None
+        self._idle = IdleCheck(transport.get_extra_info("socket"), tls=tls)
 
     def data_received(self, data: bytes) -> None:
         reader = self.reader
@@ -85,7 +77,7 @@ class Link(asyncio.Protocol):
         rounds = self.rounds
         try:
             reply = reader.gets()
-            while reply is not _INCOMPLETE:
+            while reply is not INCOMPLETE:
                 if not rounds:  # a reply nobody asked for: out of step
                     raise InvalidResponse("a reply arrived for no command")
                 current = rounds[0]
@@ -123,13 +115,14 @@ class Link(asyncio.Protocol):
 
     @property
     def usable(self) -> bool:
-        """Open, and not found readable while idle (which means closed by the server, or out
-        of step either way). Checked before each write."""
+        """Open, as far as the loop has seen, and not found closed by the server while idle
+        (``IdleCheck``; over TLS only what the loop has seen counts). Checked before each
+        write."""
         transport = self.transport
         if self.lost is not None or transport is None or transport.is_closing():
             return False
-        poller = self._poller
-        return poller is None or bool(self.rounds) or not poller.poll(0)
+        idle = self._idle
+        return idle is None or bool(self.rounds) or not idle.closed()
 
     def send(
         self,

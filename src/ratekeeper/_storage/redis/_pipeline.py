@@ -4,11 +4,12 @@
 under one deadline, and tells each exchange what happened; those that have a next command (a
 ``SCRIPT LOAD`` after NOSCRIPT, sent once for every call of the script that needs it, then
 ``EVALSHA`` or ``EVAL`` again) go out together in the next round. Each exchange advances at
-every round, so a batch takes at most four. The exchange decides; this module moves bytes:
+every round, so a batch takes at most four. The exchange decides (``Exchange.failed`` for a
+failed write or read); this module moves bytes, packed by ``_wire.pack_round``:
 
-- a connection found closed by the server before the write (it is polled first: readable
-  while idle means closed) or whose write failed: the exchanges say reconnect, and
-  the next round goes out on a fresh connection, once;
+- a connection found closed by the server before the write (what the loop has seen of it, then
+  ``_wire.IdleCheck``: readable while idle means closed) or whose write failed: the exchanges
+  say reconnect, and the next round goes out on a fresh connection, once;
 - no reply in time, or a connection that broke after the write: the exchanges without a reply
   end with a StorageTimeout / StorageUnavailable, never sent again;
 - a connection that cannot be made: the exchanges end with a StorageUnavailable (nothing was
@@ -24,27 +25,24 @@ replies may still be on their way, and propagates.
 
 redis-py internals (asyncio ``Connection``): ``connect``, ``disconnect``, ``is_connected``,
 ``send_packed_command``, ``socket_timeout``, ``_parser.read_response`` (error replies returned
-as exception objects), ``_reader`` (its ``StreamReader``) and ``_writer.transport``.
+as exception objects), ``_reader`` (its ``StreamReader``) and ``_writer.transport``. The idle
+check of its transport is kept in an attribute of ratekeeper's own on it, ``_ratekeeper``.
 Tested with redis-py 5.0.1 (the floor) to 8.1.0, in CI's three environments.
 """
 
 from __future__ import annotations
 
-import asyncio
-import select
 import sys
 import time
-from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from collections.abc import Callable
+from typing import Any
 
 import redis
 import redis.asyncio
 
-from ._blocking import pack_command
-from ._errors import CLIENT_ERRORS, REROUTE, as_broken, as_timeout
+from ._errors import CLIENT_ERRORS, IO_ERRORS, REROUTE
 from ._exchange import DONE, Exchange
-
-_T = TypeVar("_T")
+from ._wire import IdleCheck, closed_while_idle, pack_round
 
 if sys.version_info >= (3, 11):
     from asyncio import timeout as _deadline
@@ -52,10 +50,6 @@ else:  # redis-py depends on async-timeout there
     from async_timeout import timeout as _deadline  # type: ignore[import-not-found,unused-ignore]
 
 __all__ = ["can_keep_async", "run_pipeline"]
-
-#: A write or a read that ran out of time (``asyncio.TimeoutError`` is the builtin one from
-#: Python 3.11, a class of its own before). Listed before OSError, a base of TimeoutError.
-_TIMEOUTS = (redis.TimeoutError, TimeoutError, asyncio.TimeoutError)
 
 
 def can_keep_async(client: Any) -> bool:
@@ -114,32 +108,28 @@ async def _round(
             return again
     elif _closed_while_idle(connection):
         await connection.disconnect()
-        closed = redis.ConnectionError("the server closed the connection while it was idle")
+        closed = closed_while_idle()
         for exchange in exchanges:
             next_step(exchange, exchange.unsent(closed, broke=True))
         return again
 
-    slots, packed = pack_round(exchanges, _itself)
+    slots, packed = pack_round(exchanges, exchanges)
     sent = time.perf_counter()  # this round trip, not the connection's set-up, is the store's
     for exchange in exchanges:
         exchange.sent = sent
+    seconds = connection.socket_timeout
     try:
         await connection.send_packed_command(packed, False)
-    except _TIMEOUTS as exc:
+    except IO_ERRORS as exc:
         await connection.disconnect()
         for exchange in exchanges:
-            next_step(exchange, exchange.timed_out(as_timeout(exc, connection.socket_timeout)))
-        return again
-    except (*CLIENT_ERRORS, OSError) as exc:
-        await connection.disconnect()
-        for exchange in exchanges:
-            next_step(exchange, exchange.unsent(as_broken(exc), broke=True))
+            next_step(exchange, exchange.failed(exc, sent=False, seconds=seconds))
         return again
 
     read = 0
     try:
         parser = connection._parser
-        async with _deadline(connection.socket_timeout):
+        async with _deadline(seconds):
             for group in slots:
                 reply = await parser.read_response()
                 read += 1
@@ -148,47 +138,12 @@ async def _round(
                         rerouted.append(exchange)
                     else:
                         next_step(exchange, exchange.replied(reply))
-    except _TIMEOUTS as exc:
+    except IO_ERRORS as exc:
         await connection.disconnect()
-        timeout = as_timeout(exc, connection.socket_timeout)
         for group in slots[read:]:
             for exchange in group:
-                next_step(exchange, exchange.timed_out(timeout))
-    except (*CLIENT_ERRORS, OSError) as exc:
-        await connection.disconnect()
-        broken = as_broken(exc)
-        for group in slots[read:]:
-            for exchange in group:
-                next_step(exchange, exchange.lost(broken))
+                next_step(exchange, exchange.failed(exc, sent=True, seconds=seconds))
     return again
-
-
-def pack_round(
-    items: Sequence[_T], exchange_of: Callable[[_T], Exchange]
-) -> tuple[list[list[_T]], bytes]:
-    """The commands of one round, and which items each reply is for: a SCRIPT LOAD is sent
-    once for every call of the script that needs it. Both asyncio transports (redis-py's
-    connections here, ratekeeper's own links in ``_protocol``) pack their rounds with it."""
-    slots: list[list[_T]] = []
-    loads: dict[str, list[_T]] = {}
-    packed: list[bytes] = []
-    for item in items:
-        exchange = exchange_of(item)
-        if exchange.loading:
-            group = loads.get(exchange.script.sha)
-            if group is not None:
-                group.append(item)
-                continue
-            group = loads[exchange.script.sha] = [item]
-        else:
-            group = [item]
-        slots.append(group)
-        packed.append(pack_command(exchange.command))
-    return slots, b"".join(packed)
-
-
-def _itself(exchange: Exchange) -> Exchange:
-    return exchange
 
 
 def _closed_while_idle(connection: Any) -> bool:
@@ -196,18 +151,20 @@ def _closed_while_idle(connection: Any) -> bool:
 
     The event loop may not have seen the server's FIN yet (its callbacks run after the task
     that is about to write; redis-py's pool check-out, a read under ``timeout(0)``, misses it
-    for the same reason), so the socket itself is polled, without waiting. Not over TLS, whose
-    own records can make an idle socket readable: there only what the loop has seen counts.
+    for the same reason), so after what the loop has seen, the socket itself is checked
+    (``IdleCheck``, made once per transport; over TLS only what the loop has seen counts).
     """
     reader = connection._reader
     if reader.at_eof() or reader.exception() is not None:
         return True
     transport = connection._writer.transport
-    sock = transport.get_extra_info("socket")
-    if transport.is_closing() or sock is None:
+    if transport.is_closing():
         return True
-    if transport.get_extra_info("sslcontext") is not None:
-        return False
-    poller = select.poll()
-    poller.register(sock.fileno(), select.POLLIN)
-    return bool(poller.poll(0))
+    kept: tuple[Any, IdleCheck] | None = connection.__dict__.get("_ratekeeper")
+    if kept is None or kept[0] is not transport:
+        sock = transport.get_extra_info("socket")
+        if sock is None:
+            return True
+        tls = transport.get_extra_info("sslcontext") is not None
+        kept = connection._ratekeeper = (transport, IdleCheck(sock, tls=tls))
+    return kept[1].closed()

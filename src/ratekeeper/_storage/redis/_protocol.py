@@ -26,16 +26,16 @@ What happens to the calls is the exchange's rule (``_exchange``), driven by ``ru
 - no reply in time: the link is closed, and every call of the round without a reply ends with
   a timeout, never sent again; a link lost after the write ends the calls still waiting, and
   only those (a round is on one link), never sent again;
-- replies are classified by ``_errors.translate`` through the exchange; error replies are the
-  exception objects redis-py's parser builds (``BaseParser.parse_error``).
+- the round's failure is classified by ``Exchange.failed``, replies by ``_errors.translate``
+  through the exchange; error replies are the exception objects redis-py's parser builds
+  (``BaseParser.parse_error``, in ``_wire``'s reader).
 
 Anything else raised while a round runs (a bug, a cancellation; in ``data_received`` too,
 where the round's waiter gets it) closes the link, whose replies may still be on their way, and
 propagates: the batcher hands it to every caller of the batch not answered yet.
 
-redis-py internals: ``redis._parsers.BaseParser.parse_error`` (a classmethod in every
-supported version); the pool's ``connection_class`` and ``connection_kwargs``; an asyncio
-``SSLConnection``'s ``ssl_context.get()`` for TLS.
+redis-py internals: the pool's ``connection_class`` and ``connection_kwargs``; an asyncio
+``SSLConnection``'s ``ssl_context.get()`` for TLS. (Those of the links' reader: ``_wire``.)
 Tested with redis-py 5.0.1 (the floor) to 8.1.0, in CI's three environments.
 """
 
@@ -49,11 +49,10 @@ import redis
 import redis.asyncio
 
 from ._batch import Pending
-from ._blocking import pack_command
-from ._errors import CLIENT_ERRORS, as_broken
-from ._exchange import DONE, Exchange
+from ._errors import CLIENT_ERRORS, IO_ERRORS
+from ._exchange import DONE
 from ._link import Link, Round
-from ._pipeline import pack_round
+from ._wire import closed_while_idle, pack_command, pack_round
 
 __all__ = ["Link", "Links", "Round"]
 
@@ -294,9 +293,7 @@ class Links:
                     # Closed by the server while idle: nothing of this round has run.
                     link.abort(redis.ConnectionError("closed by the server while idle"))
                     link = None
-                    closed = redis.ConnectionError(
-                        "the server closed the connection while it was idle"
-                    )
+                    closed = closed_while_idle()
                     calls = [c for c in calls if c.exchange.unsent(closed, broke=True) != DONE]
                     continue
                 if link is None:
@@ -321,11 +318,7 @@ class Links:
         sent = time.perf_counter()  # this round trip, not the link's set-up, is the store's
         for call in calls:
             call.exchange.sent = sent
-        if len(calls) == 1:
-            slots = [calls]
-            packed = pack_command(calls[0].exchange.command)
-        else:
-            slots, packed = pack_round(calls, _exchange_of)
+        slots, packed = pack_round(calls, [call.exchange for call in calls])
         current = link.send(packed, len(slots), slots, self)
         error: Any = None
         timer = (
@@ -335,22 +328,16 @@ class Links:
         )
         try:
             await current.future
-        except CLIENT_ERRORS as exc:
+        except IO_ERRORS as exc:
             error = exc
-        except OSError as exc:
-            error = as_broken(exc)
         finally:
             if timer is not None:
                 timer.cancel()
         if error is not None:
             # Timed out, or lost after the write: the calls without a reply may have run.
-            timed_out = isinstance(error, redis.TimeoutError)
             for group in slots[len(current.replies) :]:
                 for call in group:
-                    if timed_out:
-                        call.exchange.timed_out(error)
-                    else:
-                        call.exchange.lost(error)
+                    call.exchange.failed(error, sent=True, seconds=self.timeout)
         return current.again
 
 
@@ -358,7 +345,3 @@ def _expire(link: Link, current: Round, seconds: float) -> None:
     """No reply in time: the link is closed, and its rounds fail with redis-py's timeout."""
     if not current.future.done():
         link.abort(redis.TimeoutError(f"no reply within {seconds} s"))
-
-
-def _exchange_of(call: Pending) -> Exchange:
-    return call.exchange
