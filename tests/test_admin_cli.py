@@ -183,12 +183,19 @@ def test_reset_and_keys_print_the_keys(server: RedisServer, key_prefix: str) -> 
     assert f"reset 'gina': deleted {', '.join(expected)}" in reset.stdout
 
 
-def test_keys_follow_the_algorithm() -> None:
-    args = ["--storage", "memory://", "--policy", "api", "--rates", "3/minute"]
+def test_keys_follow_the_algorithm_and_need_no_storage() -> None:
+    """``keys`` sends nothing to the store, so it does not ask for one."""
+    args = ["--policy", "api", "--rates", "3/minute"]
     for algorithm in ("sliding_log", "sliding_window", "gcra", "concurrency"):
-        result = CliRunner().invoke(main, ["keys", *args, "--algorithm", algorithm, "--json", "x"])
+        result = CliRunner(env={"RATEKEEPER_STORAGE_URL": None}).invoke(
+            main, ["keys", *args, "--algorithm", algorithm, "--json", "x"]
+        )
         assert result.exit_code == 0, result.output
         assert json.loads(result.stdout)[0]["keys"] == library_keys("x", algorithm=algorithm)
+    with_url = CliRunner().invoke(
+        main, ["keys", "--storage", "redis://127.0.0.1:1", *args, "--json", "x"]
+    )
+    assert json.loads(with_url.stdout)[0]["keys"] == library_keys("x")  # the same keys
 
 
 # -- the environment ------------------------------------------------------------------------

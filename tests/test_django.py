@@ -38,7 +38,7 @@ from django.test import (  # noqa: E402
 
 from ratekeeper import ConfigError, ManualClock, Policy  # noqa: E402
 from ratekeeper._http import problem_body, rate_limit_headers  # noqa: E402
-from ratekeeper.django import RateLimitMiddleware, SettingsError, ratelimit  # noqa: E402
+from ratekeeper.django import RateLimitMiddleware, SettingsError, _view_policy, ratelimit  # noqa: E402
 from ratekeeper.django._settings import current, request_view  # noqa: E402
 from ratekeeper.identity import header  # noqa: E402
 
@@ -150,8 +150,11 @@ def test_async_callables_are_refused_on_a_sync_chain_and_taken_on_an_async_one()
 def test_bad_decorator_arguments_fail_at_import():
     with pytest.raises(SettingsError, match=r"ratelimit on .*: .*fortnight"):
         ratelimit("1/fortnight")(ok)
-    with pytest.raises(SettingsError, match="unknown key 'cookie:x'"):
+    with pytest.raises(SettingsError) as unknown:
         ratelimit("1/s", key="cookie:x")(ok)
+    assert str(unknown.value).startswith("ratelimit on ok: key: ")  # said once
+    assert "unknown key 'cookie:x'" in str(unknown.value)
+    assert str(unknown.value).count("ratelimit on") == 1
     with pytest.raises(SettingsError, match="methods"):
         ratelimit("1/s", methods="GET")(ok)
 
@@ -160,6 +163,16 @@ def test_bad_decorator_arguments_fail_at_import():
 
     with pytest.raises(SettingsError, match="is async"):
         ratelimit("1/s", key=async_key)(ok)  # ok is a sync view
+
+
+def test_a_view_in_main_is_named_without_its_underscores():
+    def login(request: HttpRequest) -> HttpResponse:
+        return ok(request)
+
+    login.__module__ = "__main__"  # a view in a script run as python app.py
+    login.__qualname__ = "login"
+    assert ratelimit("1/s")(login) is not login  # refused before: "policy name '__main__...'"
+    assert _view_policy("1/s", login).name == "main.login"
 
 
 # --- system checks ------------------------------------------------------------------------------

@@ -548,6 +548,28 @@ def test_several_workers_is_read_from_the_environment_and_the_parent():
     assert several_workers({}, ["bash"], parent_children=5) is None  # not a server
 
 
+@pytest.mark.parametrize("endpoint", ["flask_limit", "fastapi_dependency"])
+def test_an_endpoint_limiter_on_memory_under_several_workers_warns_as_the_middleware(
+    endpoint: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+):
+    import ratekeeper._http._workers
+    from ratekeeper.asgi import fastapi_dependency
+    from ratekeeper.wsgi import flask_limit
+
+    monkeypatch.setattr(ratekeeper._http._workers, "_warned", False)
+    monkeypatch.setenv("WEB_CONCURRENCY", "2")
+    policy = Policy("endpoint", "10/minute")
+    with caplog.at_level("WARNING"):
+        if endpoint == "flask_limit":
+            flask_limit(Limiter.from_url("memory://"), policy)
+        else:
+            fastapi_dependency(AsyncLimiter.from_url("memory://"), policy)
+    warned = [r.getMessage() for r in caplog.records if "several workers" in r.getMessage()]
+    assert len(warned) == 1
+    assert f"{endpoint}'s limiter is on memory://" in warned[0]
+    assert "WEB_CONCURRENCY=2" in warned[0]
+
+
 def test_deduct_when_on_a_websocket_counts_refused_handshakes():
     """A handshake the app closes before accepting is a 403, an accepted one a 101."""
     from .web_apps import websocket_handshake, websocket_scope

@@ -99,7 +99,8 @@ def endpoint_limiting(
     asynchronous: bool,
 ) -> Limiting:
     """The ``Limiting`` of one endpoint charged to ``policy``, for ``where`` (the decorator or
-    dependency, named in errors), which drives a limiter of the class ``drives``."""
+    dependency, named in errors), which drives a limiter of the class ``drives``; on
+    ``memory://`` under several workers, the warning the middlewares give."""
     for name in options:
         if name not in EndpointOptions.__optional_keys__:
             raise TypeError(f"{where}() got an unexpected keyword argument {name!r}")
@@ -111,4 +112,7 @@ def endpoint_limiting(
         raise ConfigError(f"{where} needs a policy, or a callable returning one")
     rest: dict[str, Any] = dict(options)
     rule = Rule("*", policy, key=rest.pop("key", None), cost=rest.pop("cost", 1))
-    return Limiting(rules=[rule], **rest, asynchronous=asynchronous)
+    limiting = Limiting(rules=[rule], **rest, asynchronous=asynchronous)
+    if limiting.enabled:
+        warn_memory_under_workers(limiter, f"{where}'s limiter")  # type: ignore[arg-type]
+    return limiting

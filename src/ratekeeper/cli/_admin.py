@@ -68,10 +68,15 @@ def _admin_options(*, algorithms: tuple[str, ...], calls_store: bool) -> Callabl
         option(
             "--storage",
             env=STORAGE_ENV,
-            required=True,
             metavar="URL",
             help=STORAGE_HELP
-            + (" (not memory://, which lives in one process)." if calls_store else ""),
+            + (
+                " (not memory://, which lives in one process)."
+                if calls_store
+                else " (optional: the keys do not depend on it)"
+            ),
+            # keys are built without the store, so any URL gives the same ones
+            **({"required": True} if calls_store else {"default": "memory://"}),
         ),
         option(
             "--policy",

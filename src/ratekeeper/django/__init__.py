@@ -190,7 +190,10 @@ def _view_policy(policy: Any, view: Callable[..., Any]) -> Any:
         return on_django_request(policy)
     if not isinstance(policy, str):
         raise SettingsError(f"ratelimit: policy must be a Policy or rates, got {policy!r}")
-    name = _NOT_IN_NAME.sub("-", f"{view.__module__}.{view.__qualname__}").strip("-.")[:128]
+    # A name starts with a letter or digit: a view of a script (``__main__``) is ``main.<view>``,
+    # one of a ``_private`` module named without the leading underscore.
+    module = "main" if view.__module__ == "__main__" else view.__module__
+    name = _NOT_IN_NAME.sub("-", f"{module}.{view.__qualname__}").strip("-._")[:128]
     try:
         return Policy(name, policy)
     except ConfigError as exc:
@@ -248,7 +251,7 @@ def ratelimit(
 
         try:
             # Bad arguments fail at import, not at the first request.
-            probe_key = None if key is None else resolve_key(key, f"{where}: key")
+            probe_key = None if key is None else resolve_key(key, "key")  # {where}: below
             Limiting(rules=[rule(probe_key)], asynchronous=asynchronous)
         except ConfigError as exc:
             raise SettingsError(f"{where}: {exc}") from None
