@@ -102,7 +102,10 @@ class _Base(Generic[_S]):
     def cached(self, policy: Policy, identity: Identity, cost: int = 1) -> Decision | None:
         """The denial this process's deny cache holds for a hit of ``cost``, or None; asks no
         store and consumes nothing (a stack of policies asks each before charging any)."""
-        return self._path.cached(policy, identity, cost)
+        guard = self._guard
+        if policy.algorithm not in guard.cacheable:
+            return None
+        return guard.cached(self._core.first_key(policy, identity), cost)
 
 
 class Limiter(_Base[SyncStorage]):
@@ -292,9 +295,10 @@ class AsyncLimiter(_Base[AsyncStorage]):
         """Run ``steps`` on the storage; their result. One answered without the store still
         lets other tasks run first, as I/O would: a flood of cached denials cannot hold the
         loop."""
+        if isinstance(steps, Decision):
+            await asyncio.sleep(0)
+            return steps
         try:
-            if isinstance(steps, Decision):
-                raise StopIteration(steps)
             step = next(steps)
         except StopIteration as done:
             await asyncio.sleep(0)

@@ -109,13 +109,6 @@ class Path:
         held)."""
         return self.decide(self.core.release(acquired, identity))
 
-    def cached(self, policy: Policy, identity: Identity, cost: int) -> Decision | None:
-        """The denial the deny cache holds for a hit of ``cost``, or None (nothing asked)."""
-        guard = self.guard
-        if not guard.caches(policy):
-            return None
-        return guard.cached(self.core.first_key(policy, identity), cost)
-
     def reset(self, policy: Policy, identity: Identity) -> tuple[str, ...]:
         """The keys to delete, with every local trace of them forgotten first."""
         keys = self.core.reset_keys(policy, identity)

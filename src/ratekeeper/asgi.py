@@ -199,7 +199,8 @@ def _name(name: str) -> bytes:
 
 
 def _encode(headers: list[tuple[str, str]]) -> list[tuple[bytes, bytes]]:
-    return [(_name(n), v.encode("latin-1")) for n, v in headers]
+    known = _names.get  # the usual names without a call of ours each
+    return [(known(n) or _name(n), v.encode("latin-1")) for n, v in headers]
 
 
 def _merge(
