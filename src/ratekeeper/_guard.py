@@ -210,7 +210,7 @@ class Guard:
         if self._deny is None:
             return None
         cached = self._deny.lookup(key, cost)
-        if cached is not None:
+        if cached is not None and self._counting:
             self.metrics.decision(cached)
         return cached
 
