@@ -270,14 +270,15 @@ def test_health_service(tmp_path: Path, redis_url: str) -> None:
             grpc.aio.insecure_channel(f"127.0.0.1:{service.grpc_port}") as channel,
         ):
             health = health_pb2_grpc.HealthStub(channel)
-            for name in ("", RLS_SERVICE):
+            for name in ("", RLS_SERVICE, "ratelimit"):  # upstream's probes ask "ratelimit"
                 reply = await health.Check(health_pb2.HealthCheckRequest(service=name))
                 assert reply.status == health_pb2.HealthCheckResponse.SERVING
             await service.stop()
             # after stop the port is closed: the health service said NOT_SERVING first
-            assert service._health._server_status[RLS_SERVICE] == (
-                health_pb2.HealthCheckResponse.NOT_SERVING
-            )
+            for name in (RLS_SERVICE, "ratelimit"):
+                assert service._health._server_status[name] == (
+                    health_pb2.HealthCheckResponse.NOT_SERVING
+                )
 
     asyncio.run(main())
 

@@ -44,6 +44,9 @@ log = logging.getLogger("ratekeeper.service")
 #: The gRPC service and method Envoy calls.
 RLS_SERVICE = "envoy.service.ratelimit.v3.RateLimitService"
 RLS_METHOD = f"/{RLS_SERVICE}/ShouldRateLimit"
+#: The names the gRPC health service answers for (besides ""): the service's, and
+#: envoyproxy/ratelimit's "ratelimit", which its deployments' probes ask for.
+HEALTH_NAMES = (RLS_SERVICE, "ratelimit")
 
 
 @dataclass(frozen=True)
@@ -71,6 +74,10 @@ def _reuse_port_socket(host: str, port: int, reuse_port: bool) -> socket.socket:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     if reuse_port:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    # uvicorn writes a response's head and body apart: without TCP_NODELAY (which accepted
+    # sockets inherit) the body waits for the client's delayed ACK, about 40 ms a response on
+    # a kept-alive connection.
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     sock.bind((host, port))
     sock.listen(1024)
     sock.setblocking(False)
@@ -171,7 +178,8 @@ class Service:
         )
         self._health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
-        await self._health.set(RLS_SERVICE, health_pb2.HealthCheckResponse.SERVING)
+        for name in HEALTH_NAMES:
+            await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
         try:
             bound = server.add_insecure_port(_address(options.host, options.grpc_port))
         except RuntimeError:  # grpcio raises when it cannot bind; older ones return 0
