@@ -189,8 +189,8 @@ class AsyncDriver:
     def peek(self, policy: Policy, identity: Identity, cost: int = 1) -> Decision:
         return self.loop.run_until_complete(self.limiter.peek(policy, identity, cost))
 
-    def reset(self, policy: Policy, identity: Identity) -> None:
-        self.loop.run_until_complete(self.limiter.reset(policy, identity))
+    def reset(self, policy: Policy, identity: Identity) -> int:
+        return self.loop.run_until_complete(self.limiter.reset(policy, identity))
 
     def keys(self, policy: Policy, identity: Identity) -> tuple[str, ...]:
         return self.limiter.keys(policy, identity)

@@ -118,7 +118,9 @@ def test_hit_spends_until_denied_peek_spends_nothing_reset_frees(
     assert admin.exists(*keys) == len(keys)
     reset = run("reset", *args, "--json", "alice")
     assert reset.returncode == 0, reset.stderr
-    assert json.loads(reset.stdout) == [{"identity": "alice", "reset": True, "keys": keys}]
+    assert json.loads(reset.stdout) == [
+        {"identity": "alice", "reset": True, "keys": keys, "existed": len(keys)}
+    ]
     assert admin.exists(*keys) == 0
     again = run("hit", *args, "--json", "alice")
     assert again.returncode == 0
@@ -178,6 +180,12 @@ def test_reset_and_keys_print_the_keys(server: RedisServer, key_prefix: str) -> 
     ]
     shown = run("keys", *args, "gina")
     assert shown.stdout.splitlines() == ["'gina':", *(f"  {key}" for key in expected)]
+    untouched = run("reset", *args, "gina")  # gina never spent anything
+    assert untouched.returncode == 0
+    assert f"reset 'gina': nothing was stored (no key of {', '.join(expected)})" in (
+        untouched.stdout
+    )
+    assert run("hit", *args, "gina").returncode == 0
     reset = run("reset", *args, "gina")
     assert reset.returncode == 0
     assert f"reset 'gina': deleted {', '.join(expected)}" in reset.stdout

@@ -363,13 +363,14 @@ def test_reset_clears_state(make_limiter: MakeLimiter, clock: ManualClock) -> No
     limiter.hit(policy, "a")
     limiter.hit(policy, "b")
     assert not limiter.hit(policy, "a").allowed
-    limiter.reset(policy, "a")
+    assert limiter.reset(policy, "a") == len(limiter.keys(policy, "a"))  # every key existed
+    assert limiter.reset(policy, "a") == 0  # and now none does
     assert limiter.peek(policy, "a") == decision(
         True, rate=Rate(2, 3600), remaining=2, reset_after=0.0, policy=policy.name
     )
     assert limiter.hit(policy, "a").remaining == 1
     assert limiter.hit(policy, "b").remaining == 0  # b was not reset
-    limiter.reset(policy, "never-seen")  # resetting nothing is fine
+    assert limiter.reset(policy, "never-seen") == 0  # resetting nothing is fine, and said
     assert limiter.hit(policy, "never-seen").remaining == 1
 
 

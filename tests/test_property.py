@@ -606,8 +606,8 @@ class Replies:
         self.replies.append(reply)
         return reply
 
-    def delete(self, keys: tuple[str, ...]) -> None:
-        self.storage.delete(keys)
+    def delete(self, keys: tuple[str, ...]) -> int:
+        return int(self.storage.delete(keys))
 
     def close(self) -> None:
         self.storage.close()
@@ -621,8 +621,8 @@ class AsyncReplies(Replies):
         self.replies.append(reply)
         return reply
 
-    async def delete(self, keys: tuple[str, ...]) -> None:  # type: ignore[override]
-        await self.storage.delete(keys)
+    async def delete(self, keys: tuple[str, ...]) -> int:  # type: ignore[override]
+        return int(await self.storage.delete(keys))
 
     async def close(self) -> None:  # type: ignore[override]
         await self.storage.close()

@@ -630,8 +630,8 @@ class Driver:
     def peek(self, policy: Policy, identity: Identity, cost: int = 1) -> Decision:
         return self._run(self.limiter.peek(policy, identity, cost))  # type: ignore[no-any-return]
 
-    def reset(self, policy: Policy, identity: Identity) -> None:
-        self._run(self.limiter.reset(policy, identity))
+    def reset(self, policy: Policy, identity: Identity) -> int:
+        return self._run(self.limiter.reset(policy, identity))  # type: ignore[no-any-return]
 
     def keys(self, policy: Policy, identity: Identity) -> tuple[str, ...]:
         return self.limiter.keys(policy, identity)  # type: ignore[no-any-return]

@@ -112,16 +112,16 @@ def decide(
 
 def reset(
     limiter: Limiter, policy: Policy, identities: Sequence[str]
-) -> list[tuple[str, tuple[str, ...]]]:
-    """Reset each identity in turn: (identity, the keys deleted) for each."""
+) -> list[tuple[str, tuple[str, ...], int]]:
+    """Reset each identity in turn: (identity, its keys, how many of them existed) for each."""
     check_identities(limiter, policy, identities)
-    done: list[tuple[str, tuple[str, ...]]] = []
+    done: list[tuple[str, tuple[str, ...], int]] = []
     for identity in identities:
         try:
-            limiter.reset(policy, identity)
+            existed = limiter.reset(policy, identity)
         except RatekeeperError as exc:
             raise StoreFailed(identity, len(done), exc) from exc
-        done.append((identity, limiter.keys(policy, identity)))
+        done.append((identity, limiter.keys(policy, identity), existed))
     return done
 
 
@@ -203,13 +203,22 @@ def render_decisions(
 
 
 def render_reset(
-    console: Console, policy: Policy, storage: str, done: Sequence[tuple[str, tuple[str, ...]]]
+    console: Console,
+    policy: Policy,
+    storage: str,
+    done: Sequence[tuple[str, tuple[str, ...], int]],
 ) -> None:
-    """One line per identity reset, with the keys deleted."""
+    """One line per identity reset: the keys deleted, or that nothing was stored."""
     console.print(escape(_title("reset", policy, storage)), highlight=False, soft_wrap=True)
-    for identity, keys in done:
+    for identity, keys, existed in done:
+        if existed == 0:
+            said = f"nothing was stored (no key of {', '.join(keys)})"
+        elif existed == len(keys):
+            said = f"deleted {', '.join(keys)}"
+        else:
+            said = f"deleted {existed} of {', '.join(keys)}"
         console.print(
-            escape(f"reset {identity!r}: deleted {', '.join(keys)}"),
+            escape(f"reset {identity!r}: {said}"),
             highlight=False,
             soft_wrap=True,
         )

@@ -231,10 +231,11 @@ class Limiter(_Base[SyncStorage]):
             lambda taken: bool(self._drive(path.release(taken, identity)).allowed),
         )
 
-    def reset(self, policy: Policy, identity: Identity) -> None:
-        """Forget everything ``identity`` has consumed under ``policy``. Raises StorageError
-        if the store cannot be reached: a reset is never silently skipped."""
-        self.storage.delete(self._path.reset(policy, identity))
+    def reset(self, policy: Policy, identity: Identity) -> int:
+        """Forget everything ``identity`` has consumed under ``policy``; how many of its keys
+        existed (0: nothing was stored). Raises StorageError if the store cannot be reached:
+        a reset is never silently skipped."""
+        return self.storage.delete(self._path.reset(policy, identity))
 
     def close(self) -> None:
         """Release the storage's connections."""
@@ -341,10 +342,9 @@ class AsyncLimiter(_Base[AsyncStorage]):
 
         return Acquiring(take)
 
-    async def reset(self, policy: Policy, identity: Identity) -> None:
-        """Forget everything ``identity`` has consumed under ``policy``. Raises StorageError
-        if the store cannot be reached: a reset is never silently skipped."""
-        await self.storage.delete(self._path.reset(policy, identity))
+    async def reset(self, policy: Policy, identity: Identity) -> int:
+        """:meth:`Limiter.reset` on asyncio."""
+        return await self.storage.delete(self._path.reset(policy, identity))
 
     async def close(self) -> None:
         """Release the storage's connections."""

@@ -54,10 +54,10 @@ class FlakyStorage(MemoryStorage):
             raise self.fail_with
         return super().run(script, keys, args)
 
-    def delete(self, keys: tuple[str, ...]) -> None:
+    def delete(self, keys: tuple[str, ...]) -> int:
         if self.down:
             raise self.fail_with
-        super().delete(keys)
+        return super().delete(keys)
 
 
 class AsyncFlakyStorage(AsyncMemoryStorage):

@@ -26,8 +26,8 @@ class SyncStorage(Protocol):
         """Run ``script`` atomically with KEYS and ARGV; return its reply."""
         ...
 
-    def delete(self, keys: tuple[str, ...]) -> None:
-        """Delete keys (all in one cluster slot)."""
+    def delete(self, keys: tuple[str, ...]) -> int:
+        """Delete keys (all in one cluster slot); how many of them existed."""
         ...
 
     def close(self) -> None:
@@ -44,8 +44,8 @@ class AsyncStorage(Protocol):
         """Run ``script`` atomically with KEYS and ARGV; return its reply."""
         ...
 
-    async def delete(self, keys: tuple[str, ...]) -> None:
-        """Delete keys (all in one cluster slot)."""
+    async def delete(self, keys: tuple[str, ...]) -> int:
+        """Delete keys (all in one cluster slot); how many of them existed."""
         ...
 
     async def close(self) -> None:

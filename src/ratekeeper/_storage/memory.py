@@ -38,9 +38,10 @@ class MemoryStorage:
             self._keyspace.purge(decoded.now)
             return reference(self._keyspace, keys, decoded)
 
-    def delete(self, keys: tuple[str, ...]) -> None:
+    def delete(self, keys: tuple[str, ...]) -> int:
         with self._lock:
-            self._keyspace.delete(keys)
+            self._keyspace.purge(self._now())  # an expired key is not one that existed
+            return self._keyspace.delete(keys)
 
     def pttl(self, key: str) -> int:
         """Milliseconds ``key`` has left, or -2 (for tests and debugging)."""
@@ -67,8 +68,8 @@ class AsyncMemoryStorage:
     ) -> list[int]:
         return self.sync.run(script, keys, args)
 
-    async def delete(self, keys: tuple[str, ...]) -> None:
-        self.sync.delete(keys)
+    async def delete(self, keys: tuple[str, ...]) -> int:
+        return self.sync.delete(keys)
 
     async def close(self) -> None:
         self.sync.close()

@@ -249,15 +249,20 @@ _decision_command(
 def reset(timeout: float, as_json: bool, identities: tuple[str, ...], **target: Any) -> None:
     """Forget what each IDENTITY has consumed under the policy (unblock it).
 
-    Prints the keys deleted for each identity; with --json a list of objects: identity, reset
-    (true) and keys.
+    Prints the keys deleted for each identity (or that nothing was stored); with --json a list
+    of objects: identity, reset (true), keys and existed (how many of them existed).
     """
     chosen = _target(**target)
     done = _admin_call(
         chosen, lambda limiter: reset_identities(limiter, chosen.policy, identities), timeout
     )
     if as_json:
-        _echo_json([{"identity": i, "reset": True, "keys": list(keys)} for i, keys in done])
+        _echo_json(
+            [
+                {"identity": i, "reset": True, "keys": list(keys), "existed": existed}
+                for i, keys, existed in done
+            ]
+        )
     else:
         render_reset(Console(), chosen.policy, redact(chosen.storage), done)
 

@@ -317,11 +317,11 @@ class AsyncRedisStorage:
         finally:
             self._kept.append(connection)
 
-    async def delete(self, keys: tuple[str, ...]) -> None:
+    async def delete(self, keys: tuple[str, ...]) -> int:
         if not self._ready:
             await self._discover()
         try:
-            await self.client.delete(*keys)
+            return int(await self.client.delete(*keys))
         except CLIENT_ERRORS as exc:
             raise translate(exc) from exc
 

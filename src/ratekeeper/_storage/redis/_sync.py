@@ -139,9 +139,9 @@ class RedisStorage:
             return
         log_eviction_warning(info)
 
-    def delete(self, keys: tuple[str, ...]) -> None:
+    def delete(self, keys: tuple[str, ...]) -> int:
         try:
-            self.client.delete(*keys)
+            return int(self.client.delete(*keys))
         except CLIENT_ERRORS as exc:
             raise translate(exc) from exc
 
