@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 import pytest
 import redis
 
-from ratekeeper import AsyncLimiter, Decision, Limiter, Policy
+from ratekeeper import AsyncLimiter, AsyncReservation, Decision, Limiter, Policy
 from ratekeeper._keys import Identity
 
 from .private_servers import private_servers
@@ -192,12 +192,38 @@ class AsyncDriver:
     def reset(self, policy: Policy, identity: Identity) -> int:
         return self.loop.run_until_complete(self.limiter.reset(policy, identity))
 
+    def reserve(
+        self, policy: Policy, identity: Identity, cost: int = 1, **options: Any
+    ) -> BlockingReservation:
+        made = self.loop.run_until_complete(self.limiter.reserve(policy, identity, cost, **options))
+        return BlockingReservation(made, self.loop)
+
+    def charge(self, policy: Policy, identity: Identity, cost: int) -> Decision:
+        return self.loop.run_until_complete(self.limiter.charge(policy, identity, cost))
+
     def keys(self, policy: Policy, identity: Identity) -> tuple[str, ...]:
         return self.limiter.keys(policy, identity)
 
     def close(self) -> None:
         self.loop.run_until_complete(self.limiter.close())
         self.loop.close()
+
+
+class BlockingReservation:
+    """Blocking face of an AsyncReservation, on its driver's event loop."""
+
+    def __init__(self, reservation: AsyncReservation, loop: asyncio.AbstractEventLoop) -> None:
+        self.reservation = reservation
+        self.loop = loop
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.reservation, name)
+
+    def settle(self, actual: int) -> Decision:
+        return self.loop.run_until_complete(self.reservation.settle(actual))
+
+    def cancel(self) -> Decision | None:
+        return self.loop.run_until_complete(self.reservation.cancel())
 
 
 MakeLimiter = Callable[..., Any]

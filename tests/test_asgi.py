@@ -23,7 +23,15 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route, WebSocketRoute
 from starlette.websockets import WebSocket
 
-from ratekeeper import AsyncLimiter, CircuitBreaker, ConfigError, Decision, Limiter, Policy
+from ratekeeper import (
+    AsyncLimiter,
+    CircuitBreaker,
+    ConfigError,
+    Decision,
+    Limiter,
+    ManualClock,
+    Policy,
+)
 from ratekeeper._http import missing_identity_response
 from ratekeeper.asgi import RateLimitMiddleware, Rule, fastapi_dependency, request_from_scope
 from ratekeeper.identity import client_ip, header
@@ -803,3 +811,57 @@ def test_fastapi_dependency_missing_identity(choice: str, expected: list[int]):
     else:
         assert [d.remaining for d in decisions if d is not None] == [1, 0]
         assert responses[2].headers["ratelimit"] == '"dep-anon";r=0;t=60'
+
+
+@pytest.mark.parametrize("counted", ["before", "on_the_outcome"])
+def test_fastapi_dependency_behind_the_middleware_shows_the_policy_that_constrains(counted: str):
+    """The middleware's policy (20/minute; or counted on the outcome, with ``deduct_when``) and
+    the dependency's (2/minute) on one request: the admitted responses show the dependency's
+    policy, which has fewer left; its 429 is its own, headers and all: the middleware adds
+    nothing to it."""
+    clock = ManualClock()
+    narrow = Policy("narrow", "2/minute")
+    deduct = (lambda status: status < 500) if counted == "on_the_outcome" else None
+    seen: list[tuple[str, ...]] = []
+
+    async def main() -> list[Any]:
+        async with AsyncLimiter.from_url("memory://", clock=clock) as limiter:
+            limited = fastapi_dependency(limiter, narrow, legacy_headers=True)
+            app = FastAPI()
+
+            @app.get("/narrow")
+            async def endpoint(request: StarletteRequest, _: Any = Depends(limited)) -> Any:  # noqa: B008
+                seen.append(tuple(d.policy for d in request.state.ratekeeper))
+                return {"ok": True}
+
+            app.add_middleware(
+                RateLimitMiddleware,
+                limiter=limiter,
+                rules=[Rule("/*", Policy("api", "20/minute"), deduct_when=deduct)],
+                legacy_headers=True,
+            )
+            replies = []
+            async with asgi_client(app) as http:
+                for wait in (0.0, 0.0, 12.5):
+                    clock.advance(wait)
+                    replies.append(await http.get("/narrow"))
+            return replies
+
+    replies = asyncio.run(main())
+    assert [r.status_code for r in replies] == [200, 200, 429]
+    # The decisions of both limiters (one counted on the outcome is charged after the view).
+    assert seen == [("narrow",) if deduct else ("api", "narrow")] * 2
+    for remaining, admitted in zip((1, 0), replies[:2], strict=True):
+        assert admitted.headers["ratelimit-policy"] == '"api";q=20;w=60, "narrow";q=2;w=60'
+        assert admitted.headers["ratelimit"] == f'"narrow";r={remaining};t=60'
+        assert admitted.headers["x-ratelimit-limit"] == "2"
+        assert admitted.headers["x-ratelimit-remaining"] == str(remaining)
+        assert "retry-after" not in admitted.headers
+    denied = replies[2]
+    assert denied.json()["policy"] == "narrow"
+    assert denied.json()["retry_after"] == 47.5
+    assert denied.headers["ratelimit-policy"] == '"narrow";q=2;w=60'
+    assert denied.headers["ratelimit"] == '"narrow";r=0;t=48'
+    assert denied.headers["retry-after"] == "48"
+    assert denied.headers["x-ratelimit-limit"] == "2"
+    assert denied.headers["x-ratelimit-remaining"] == "0"

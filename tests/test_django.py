@@ -35,6 +35,7 @@ from django.test import (  # noqa: E402
     RequestFactory,
     override_settings,
 )
+from django.urls import path as route  # noqa: E402
 
 from ratekeeper import ConfigError, ManualClock, Policy  # noqa: E402
 from ratekeeper._http import problem_body, rate_limit_headers  # noqa: E402
@@ -448,6 +449,102 @@ def test_middleware_rules_with_deduct_when_and_an_application_policy():
         health = middleware(get("/health", **key))  # exempt: untouched
         assert health.status_code == 200
         assert not health.has_header("RateLimit")
+
+
+# --- the middleware and a decorated view on one request ---------------------------------------
+
+NARROW = Policy("dj-narrow", "2/minute")
+
+
+@ratelimit(NARROW, key="header:x-api-key")
+def narrow_sync(request: HttpRequest) -> HttpResponse:
+    return ok(request)
+
+
+@ratelimit(NARROW, key="header:x-api-key")
+async def narrow_async(request: HttpRequest) -> HttpResponse:
+    return ok(request)
+
+
+#: The urlconf of the test below (``ROOT_URLCONF`` names this module).
+urlpatterns = [route("narrow/sync", narrow_sync), route("narrow/async", narrow_async)]
+
+
+@pytest.mark.parametrize("counted", ["before", "on_the_outcome"])
+@pytest.mark.parametrize("view", ["sync", "async"])
+@pytest.mark.parametrize("server", ["wsgi", "asgi"])
+def test_a_decorated_view_behind_the_middleware_shows_the_policy_that_constrains(
+    server: str, view: str, counted: str
+):
+    """The middleware's default policy (20/minute; or a rule counted on the outcome, with
+    ``deduct_when``) and ``@ratelimit`` (2/minute) on one request, through Django's whole
+    handler (``Client``: WSGI; ``AsyncClient``: ASGI). The admitted responses show the
+    decorator's policy, which has fewer left; its 429 is its own, headers and all: the
+    middleware adds nothing to it."""
+    clock = ManualClock()
+    api = Policy("api", "20/minute")
+    deduct = counted == "on_the_outcome"
+    values = {
+        "RULES": [{"path": "/*", "policy": api, "deduct_when": lambda status: status < 500}]
+        if deduct
+        else [],
+        "POLICY": api,
+        "KEY": "header:x-api-key",
+        "LEGACY_HEADERS": True,
+        "LIMITER_OPTIONS": {"clock": clock},
+    }
+    url = f"/narrow/{view}"
+
+    async def over_asgi() -> list[HttpResponse]:
+        client = AsyncClient()
+        replies = []
+        for wait in (0.0, 0.0, 12.5):
+            clock.advance(wait)
+            replies.append(await client.get(url, headers={"x-api-key": "both"}))
+        return replies
+
+    with settings_with(**values), override_settings(ROOT_URLCONF=__name__):
+        if server == "asgi":
+            replies = asyncio.run(over_asgi())
+        else:
+            client = Client()
+            replies = []
+            for wait in (0.0, 0.0, 12.5):
+                clock.advance(wait)
+                replies.append(client.get(url, HTTP_X_API_KEY="both"))
+    assert [r.status_code for r in replies] == [200, 200, 429]
+    for remaining, admitted in zip((1, 0), replies[:2], strict=True):
+        # Both limiters charged the request (one counted on the outcome, after the view);
+        # every policy is listed, the narrower reported.
+        charged = ["dj-narrow"] if deduct else ["api", "dj-narrow"]
+        assert json.loads(admitted.content) == {"decisions": charged}
+        assert admitted["RateLimit-Policy"] == '"api";q=20;w=60, "dj-narrow";q=2;w=60'
+        assert admitted["RateLimit"] == f'"dj-narrow";r={remaining};t=60'
+        assert admitted["X-RateLimit-Limit"] == "2"
+        assert admitted["X-RateLimit-Remaining"] == str(remaining)
+        assert not admitted.has_header("Retry-After")
+    denied = replies[2]
+    assert json.loads(denied.content)["policy"] == "dj-narrow"
+    assert json.loads(denied.content)["retry_after"] == 47.5
+    assert denied["RateLimit-Policy"] == '"dj-narrow";q=2;w=60'
+    assert denied["RateLimit"] == '"dj-narrow";r=0;t=48'
+    assert denied["Retry-After"] == "48"
+    assert denied["X-RateLimit-Limit"] == "2"
+    assert denied["X-RateLimit-Remaining"] == "0"
+
+
+def test_stacked_decorators_show_the_policy_that_constrains():
+    @ratelimit(Policy("wide", "5/minute"), key="header:x-api-key")
+    @ratelimit(Policy("tight", "2/minute"), key="header:x-api-key")
+    def view(request: HttpRequest) -> HttpResponse:
+        return ok(request)
+
+    replies = [view(get(HTTP_X_API_KEY="s")) for _ in range(3)]
+    assert [r.status_code for r in replies] == [200, 200, 429]
+    assert replies[0]["RateLimit-Policy"] == '"wide";q=5;w=60, "tight";q=2;w=60'
+    assert [r["RateLimit"] for r in replies[:2]] == ['"tight";r=1;t=60', '"tight";r=0;t=60']
+    assert replies[2]["RateLimit-Policy"] == '"tight";q=2;w=60'
+    assert replies[2]["RateLimit"] == '"tight";r=0;t=60'
 
 
 def test_memory_under_several_workers_logs_a_warning_once(

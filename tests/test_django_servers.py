@@ -125,6 +125,24 @@ def test_the_decorator_admits_exactly_the_limit(served: Served, path: str, polic
     assert {json.loads(r.body)["decisions"] for r in replies if r.status == 200} == {1}
 
 
+def test_failed_logins_in_parallel_reach_the_view_exactly_the_limit(served: Served):
+    """The README's login rule (3 failed logins per 15 minutes, counted on 401): 30 wrong
+    passwords at once, then 30 more: the view runs exactly 3 times (each of its runs is a
+    401), every other attempt is refused before it. Each attempt reserves its cost until its
+    status is known, so the attempts in flight count too."""
+    user = {"X-API-Key": f"login-{uuid.uuid4()}"}
+    first = hammer(served.url, "/login", [user] * 30)
+    second = hammer(served.url, "/login", [user] * 30)
+    statuses = sorted(r.status for r in [*first, *second])
+    assert statuses == [401] * 3 + [429] * 57
+    ran = [r for r in [*first, *second] if r.status == 401]
+    assert {r.headers["x-worker-pid"] for r in ran} <= served.worker_pids
+    for r in [*first, *second]:
+        if r.status == 429:
+            assert json.loads(r.body)["policy"] == "dj-login"
+            assert "x-worker-pid" not in r.headers
+
+
 def test_both_workers_serve_and_share_one_store(served: Served):
     pids = {r.headers["x-worker-pid"] for r in hammer(served.url, "/health", [{}] * 48)}
     assert pids == served.worker_pids

@@ -870,7 +870,7 @@ def test_every_algorithm_agrees_through_the_async_api(
 @given(data=st.data())
 def test_validation_bounds_are_exact(server: RedisServer, case: str, data: st.DataObject) -> None:
     """Limits, bursts and costs at the bounds each policy check allows (sliding_window
-    limit x period_ms <= 2**53, gcra burst x period_ms <= 2**52, counter limits up to 2**52): the
+    limit x period_ms <= 2**52, gcra burst x period_ms <= 2**52, counter limits up to 2**52): the
     script's arithmetic in Lua doubles must still be exact, as the reference's is."""
     scenario = data.draw(boundary_scenarios(case), label="scenario")
     play(scenario, algorithm_of(case), server.url)

@@ -17,7 +17,7 @@ import flask
 import httpx
 import pytest
 
-from ratekeeper import AsyncLimiter, CircuitBreaker, ConfigError, Limiter, Policy
+from ratekeeper import AsyncLimiter, CircuitBreaker, ConfigError, Limiter, ManualClock, Policy
 from ratekeeper.identity import client_ip, first, header
 from ratekeeper.wsgi import RateLimitMiddleware, Rule, flask_limit, request_from_environ
 
@@ -416,6 +416,65 @@ def test_flask_limit_cost_legacy_and_a_missing_identity():
     # No identity: limited by the peer's address.
     assert [r.status_code for r in anonymous] == [200, 429, 429]
     assert anonymous[0].headers["RateLimit"] == '"keyed";r=0;t=60'
+
+
+@pytest.mark.parametrize("view", ["sync", "async"])
+@pytest.mark.parametrize("counted", ["before", "on_the_outcome"])
+def test_flask_limit_behind_the_middleware_shows_the_policy_that_constrains(
+    counted: str, view: str
+):
+    """The middleware's policy (20/minute; or counted on the outcome, with ``deduct_when``)
+    and ``flask_limit`` (2/minute) on one request: the admitted responses show the
+    decorator's policy, which has fewer left; its 429 is its own, headers and all."""
+    clock = ManualClock()
+    api = Policy("api", "20/minute")
+    deduct = (lambda status: status < 500) if counted == "on_the_outcome" else None
+    with Limiter.from_url("memory://", clock=clock) as limiter:
+        app = flask.Flask("ratekeeper-nested")
+        limited = flask_limit(limiter, Policy("narrow", "2/minute"), legacy_headers=True)
+
+        if view == "async":
+
+            @app.get("/narrow")
+            @limited
+            async def narrow() -> Any:
+                return {"decisions": [d.policy for d in flask.request.environ["ratekeeper"]]}
+
+        else:
+
+            @app.get("/narrow")
+            @limited
+            def narrow() -> Any:
+                return {"decisions": [d.policy for d in flask.request.environ["ratekeeper"]]}
+
+        app.wsgi_app = RateLimitMiddleware(  # type: ignore[method-assign]
+            app.wsgi_app,
+            limiter=limiter,
+            rules=[Rule("/*", api, deduct_when=deduct)],
+            legacy_headers=True,
+        )
+        replies = []
+        with app.test_client() as client:
+            for wait in (0.0, 0.0, 12.5):
+                clock.advance(wait)
+                replies.append(client.get("/narrow", environ_base={"REMOTE_ADDR": PEER}))
+    assert [r.status_code for r in replies] == [200, 200, 429]
+    for remaining, admitted in zip((1, 0), replies[:2], strict=True):
+        if deduct is None:  # charged before the view, which sees both decisions
+            assert admitted.json == {"decisions": ["api", "narrow"]}
+        assert admitted.headers["RateLimit-Policy"] == '"api";q=20;w=60, "narrow";q=2;w=60'
+        assert admitted.headers["RateLimit"] == f'"narrow";r={remaining};t=60'
+        assert admitted.headers["X-RateLimit-Limit"] == "2"
+        assert admitted.headers["X-RateLimit-Remaining"] == str(remaining)
+        assert "Retry-After" not in admitted.headers
+    denied = replies[2]
+    assert denied.json["policy"] == "narrow"
+    assert denied.json["retry_after"] == 47.5
+    assert denied.headers["RateLimit-Policy"] == '"narrow";q=2;w=60'
+    assert denied.headers["RateLimit"] == '"narrow";r=0;t=48'
+    assert denied.headers["Retry-After"] == "48"
+    assert denied.headers["X-RateLimit-Limit"] == "2"
+    assert denied.headers["X-RateLimit-Remaining"] == "0"
 
 
 @pytest.mark.parametrize(

@@ -598,3 +598,65 @@ def waiting_calls(
     except Exception as exc:
         errors.append(repr(exc))
     queue.put({"pid": os.getpid(), "admissions": admissions, "started": started, "errors": errors})
+
+
+def threaded_reservations(
+    *,
+    url: str,
+    key_prefix: str,
+    spec: dict[str, Any],
+    threads: int,
+    rounds: int,
+    barrier: Any,
+    queue: Any,
+) -> None:
+    """``threads`` threads each make ``rounds`` reservations of a random estimate (1-20) on
+    ``"shared"`` under the frozen clock, settling a random actual (0-30) or, one in eight,
+    cancelling. Reports ``reserved``: (monotonic time begun, admitted) per reservation, and
+    ``settled``: (monotonic time ended, actual) per settle (CLOCK_MONOTONIC is one clock for
+    every process of the machine)."""
+    import random
+    import time
+
+    policy = round_policy(spec)
+    reserved: list[tuple[float, bool]] = []
+    settled: list[tuple[float, int]] = []
+    errors: list[str] = []
+    lock = threading.Lock()
+    limiter = Limiter.from_url(url, clock=frozen_clock, **exact_options(key_prefix))
+
+    def run(seed: int) -> None:
+        rng = random.Random(seed)
+        try:
+            limiter.peek(policy, "shared")  # connect and load the script, consuming nothing
+            barrier.wait(BARRIER_TIMEOUT)
+            for _ in range(rounds):
+                began = time.monotonic()
+                reservation = limiter.reserve(policy, "shared", rng.randint(1, 20))
+                with lock:
+                    reserved.append((began, reservation.allowed))
+                if not reservation.allowed:
+                    continue
+                if rng.random() < 0.125:
+                    reservation.cancel()
+                    continue
+                actual = rng.randint(0, 30)
+                reservation.settle(actual)
+                ended = time.monotonic()
+                with lock:
+                    settled.append((ended, actual))
+        except Exception as exc:
+            barrier.abort()
+            with lock:
+                errors.append(repr(exc))
+
+    try:
+        base = os.getpid() * 1000
+        pool = [threading.Thread(target=run, args=(base + i,)) for i in range(threads)]
+        for thread in pool:
+            thread.start()
+        for thread in pool:
+            thread.join()
+    finally:
+        limiter.close()
+    queue.put({"pid": os.getpid(), "reserved": reserved, "settled": settled, "errors": errors})

@@ -10,6 +10,7 @@ from ._errors import (
     RatekeeperError,
     RateLimited,
     RequestRejected,
+    ReservationError,
     StorageError,
     StorageFull,
     StorageResponseError,
@@ -21,6 +22,7 @@ from ._lease import AsyncLease, Lease
 from ._limiter import AsyncLimiter, Limiter
 from ._policy import Policy
 from ._rates import Rate, parse_rates
+from ._reservation import AsyncReservation, Reservation
 from ._version import __version__
 from .typing import Algorithm, FailureMode
 
@@ -28,6 +30,7 @@ __all__ = [
     "Algorithm",
     "AsyncLease",
     "AsyncLimiter",
+    "AsyncReservation",
     "AutoShare",
     "BreakerState",
     "CircuitBreaker",
@@ -43,6 +46,8 @@ __all__ = [
     "RateLimited",
     "RatekeeperError",
     "RequestRejected",
+    "Reservation",
+    "ReservationError",
     "StorageError",
     "StorageFull",
     "StorageResponseError",

@@ -12,7 +12,18 @@ import math
 import os
 from dataclasses import dataclass
 
-from ._algorithms import HIT, PEEK, RELEASE, RETRY_NEVER, RETRY_NONE, encode_args, get_algorithm
+from ._algorithms import (
+    CHARGE,
+    HIT,
+    PEEK,
+    REFUND,
+    RELEASE,
+    RESERVE,
+    RETRY_NEVER,
+    RETRY_NONE,
+    encode_args,
+    get_algorithm,
+)
 from ._clock import Clock
 from ._decision import Decision, make_decision
 from ._errors import ConfigError
@@ -69,6 +80,13 @@ def _check_cost(cost: int) -> int:
     if not 1 <= cost <= MAX_INT:
         raise ConfigError(f"cost must be between 1 and 2**53, got {cost}")
     return cost
+
+
+def check_actual(actual: int) -> int:
+    """A settled cost: an int from 0 (nothing was used) to 2**53."""
+    if isinstance(actual, bool) or not isinstance(actual, int) or not 0 <= actual <= MAX_INT:
+        raise ConfigError(f"actual must be an int between 0 and 2**53, got {actual!r}")
+    return actual
 
 
 def _check_policy(policy: Policy) -> None:
@@ -205,6 +223,49 @@ class Core:
                 f"{policy.algorithm!r}: use hit()"
             )
         return self._call(policy, identity, cost, HIT, _TOKENS.next())
+
+    def reserve(self, policy: Policy, identity: Identity, cost: int) -> Call:
+        """The call that consumes ``cost`` as a reservation, if every rate admits it; its
+        reply ends with the reservation's stamp (``stamp``)."""
+        if type(policy) is not Policy:
+            _check_policy(policy)
+        if policy.algorithm == "concurrency":
+            raise ConfigError(
+                f"policy {policy.name!r} hands out leases, which are reservations already: "
+                "use acquire() and release the lease; reserve() takes a rate policy"
+            )
+        return self._call(policy, identity, cost, RESERVE, _TOKENS.next())
+
+    @staticmethod
+    def stamp(call: Call, reply: list[int]) -> int | None:
+        """The stamp of the reservation ``call`` made (None: nothing was reserved)."""
+        return int(reply[-1]) if len(reply) > 1 + 3 * len(call.policy.rates) else None
+
+    def settle(self, reserved: Call, stamp: int | None, actual: int) -> Call:
+        """The call that settles the reservation ``reserved`` made at ``stamp`` for ``actual``:
+        a refund of the difference, or a charge of the rest; for a reservation the store never
+        held (``stamp`` None: a failure mode admitted it), a charge of all of ``actual``."""
+        check_actual(actual)
+        if stamp is None:
+            return self._adjust(reserved, CHARGE, actual, "")
+        delta = actual - reserved.cost
+        if delta > 0:
+            return self._adjust(reserved, CHARGE, delta, "")
+        return self._adjust(reserved, REFUND, -delta, str(stamp))
+
+    def charge(self, policy: Policy, identity: Identity, cost: int) -> Call:
+        """The call that adds ``cost`` whatever the limit (work already done), then tells
+        where the identity stands."""
+        reserved = self.reserve(policy, identity, 1)  # checks the policy; builds the keys
+        return self._adjust(reserved, CHARGE, _check_cost(cost), "")
+
+    def _adjust(self, reserved: Call, mode: int, cost: int, token: str) -> Call:
+        policy = reserved.policy
+        plan = self._plans.get(id(policy))
+        if plan is None or plan[0] is not policy:
+            plan = self._plan(policy)
+        args = (self._now(), cost, mode, token, TTL_MARGIN_MS, *plan[3])
+        return Call(plan[1], reserved.keys, args, policy, token, cost, mode)
 
     def release(self, acquired: Call, identity: Identity) -> Call:
         """The call that gives back the lease taken by ``acquired``."""

@@ -35,6 +35,7 @@ __all__ = [
     "RateLimited",
     "RatekeeperError",
     "RequestRejected",
+    "ReservationError",
     "StorageError",
     "StorageFull",
     "StorageResponseError",
@@ -72,6 +73,11 @@ class RateLimited(RatekeeperError):
 
     def __reduce__(self) -> tuple[type[RateLimited], tuple[Decision]]:
         return (type(self), (self.decision,))
+
+
+class ReservationError(RatekeeperError, RuntimeError):
+    """A reservation was settled twice, settled after it was cancelled, or settled although
+    it was denied (it holds nothing)."""
 
 
 class RequestRejected(RatekeeperError):

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
-from ._algorithms import HIT, RELEASE
+from ._algorithms import CONSUMES, REFUND, RELEASE, SETTLES
 from ._breaker import BreakerState, CircuitBreaker
 from ._clock import Clock
 from ._core import _TOKENS, Call, Core
@@ -220,7 +220,7 @@ class Guard:
         """A decision made without the store, or None to ask the store. ``breaker``: the
         call's (``breaker_of``). ``cache_asked``: the caller already asked ``cached`` for this
         call (the deny cache is not asked twice)."""
-        if not cache_asked and self._deny is not None and call.mode == HIT:
+        if not cache_asked and self._deny is not None and call.mode in CONSUMES:
             cached = self._deny.lookup(call.keys[0], call.cost)
             if cached is not None:
                 self.metrics.decision(cached)
@@ -243,12 +243,17 @@ class Guard:
         if counting:
             self.metrics.store_call(elapsed, True)
         decision = self.core.decide(call, reply)
-        if self._deny is not None and decision.allowed and call.mode == HIT:
+        mode = call.mode
+        if mode in SETTLES:  # not a decision of a request: settling one made earlier
+            if mode == REFUND and self._deny is not None:
+                self._deny.discard(call.keys[0])  # the refund may have made room
+            return decision
+        if self._deny is not None and decision.allowed and mode in CONSUMES:
             self._deny.discard(call.keys[0])
         elif (
             self._deny is not None
             and not decision.allowed
-            and call.mode == HIT
+            and mode in CONSUMES
             and call.cost == 1
             and call.policy.algorithm in _CACHEABLE
         ):
@@ -331,7 +336,7 @@ class Guard:
     def _fallback(
         self, call: Call, reason: str, exc: StorageError | None, breaker: CircuitBreaker
     ) -> Decision:
-        if self._deny is not None and call.mode == HIT:
+        if self._deny is not None and call.mode in CONSUMES:
             # A denial the store made, past its freshness but not its wait: still a denial.
             cached = self._deny.lookup(call.keys[0], call.cost, stale=True)
             if cached is not None:
@@ -347,6 +352,13 @@ class Guard:
                 )
             raise exc
         rate = policy.rates[0]
+        if call.mode in SETTLES:
+            # A settle the store did not record: a refund's estimate stays counted (never
+            # more admitted), a charge is lost; the failure mode's answer stands for the state.
+            self._log.warn(
+                reason, f"ratekeeper: a reservation could not be settled ({reason}): {exc}"
+            )
+            return self._degraded(policy, rate, mode == "open", None, f"{reason}/{mode}")
         if call.mode == RELEASE:
             # A lease whose release could not be recorded expires on its own.
             decision = self._degraded(policy, rate, False, None, f"{reason}/{mode}")

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Generator
 from types import TracebackType
-from typing import Any
+from typing import Any, Generic, Protocol, TypeVar
 
 from ._core import Call
 from ._decision import Decision
 
-__all__ = ["AsyncLease", "Lease"]
+__all__ = ["AsyncLease", "Lease", "Pending"]
 
 
 class _Held:
@@ -101,21 +101,34 @@ class AsyncLease(_Held):
         await self.release()
 
 
-class Acquiring:
-    """What ``AsyncLimiter.acquire`` returns: await it for a lease, or ``async with`` it."""
+class _Exits(Protocol):
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None: ...
 
-    __slots__ = ("_coro_factory", "_lease")
 
-    def __init__(self, coro_factory: Callable[[], Awaitable[AsyncLease]]) -> None:
-        self._coro_factory = coro_factory
-        self._lease: AsyncLease | None = None
+_T = TypeVar("_T", bound=_Exits)
 
-    def __await__(self) -> Generator[Any, None, AsyncLease]:
-        return self._coro_factory().__await__()
 
-    async def __aenter__(self) -> AsyncLease:
-        self._lease = await self._coro_factory()
-        return self._lease
+class Pending(Generic[_T]):
+    """What ``AsyncLimiter.acquire`` and ``reserve`` return: await it for the lease (or
+    reservation), or ``async with`` it (leaving the block as leaving the lease's own does)."""
+
+    __slots__ = ("_made", "_make")
+
+    def __init__(self, make: Callable[[], Awaitable[_T]]) -> None:
+        self._make = make
+        self._made: _T | None = None
+
+    def __await__(self) -> Generator[Any, None, _T]:
+        return self._make().__await__()
+
+    async def __aenter__(self) -> _T:
+        self._made = await self._make()
+        return self._made
 
     async def __aexit__(
         self,
@@ -123,5 +136,5 @@ class Acquiring:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        if self._lease is not None:
-            await self._lease.release()
+        if self._made is not None:
+            await self._made.__aexit__(exc_type, exc, tb)

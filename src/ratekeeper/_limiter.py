@@ -19,10 +19,11 @@ from ._decision import Decision
 from ._errors import RequestRejected, StorageError
 from ._guard import DEFAULT_DENY_CACHE_MAX_AGE, DEFAULT_DENY_CACHE_SIZE, Guard
 from ._keys import DEFAULT_KEY_PREFIX, Identity
-from ._lease import Acquiring, AsyncLease, Lease
+from ._lease import AsyncLease, Lease, Pending
 from ._opening import STORAGE_URL_VARIABLE, check_options, opening
 from ._path import Later, Path, Steps
 from ._policy import Policy
+from ._reservation import AsyncReservation, Reservation
 from ._storage import (
     AsyncStorage,
     SyncStorage,
@@ -231,6 +232,61 @@ class Limiter(_Base[SyncStorage]):
             lambda taken: bool(self._drive(path.release(taken, identity)).allowed),
         )
 
+    def reserve(
+        self,
+        policy: Policy,
+        identity: Identity,
+        cost: int = 1,
+        *,
+        cancel_on_error: bool = False,
+    ) -> Reservation:
+        """Consume an estimate of ``cost`` if every rate of ``policy`` admits it, to settle
+        with the real cost once it is known:
+
+        >>> r = limiter.reserve(tokens, "key-7", cost=500)  # doctest: +SKIP
+        >>> if r.allowed:  # doctest: +SKIP
+        ...     r.settle(call_the_model())  # charges exactly what was used
+
+        ``r.settle(actual)`` refunds the difference or adds the rest (even past the limit) and
+        returns the decision as it stands after; ``r.cancel()`` refunds it all. Each is one
+        atomic store call. A reservation never settled keeps its estimate. As a context
+        manager, leaving the block keeps the estimate unless it was settled, or, with
+        ``cancel_on_error``, refunds it when the block raised. A ``concurrency`` policy hands
+        out leases instead (:meth:`acquire`).
+        """
+        path = self._path
+        call = self._core.reserve(policy, identity, cost)
+        decision, stamp = self._drive(path.reserve(call))
+        return Reservation(
+            call,
+            decision,
+            stamp,
+            lambda made, at, actual: self._drive(path.settle(made, at, actual)),
+            cancel_on_error,
+        )
+
+    def resume(
+        self, policy: Policy, identity: Identity, estimate: int, stamp: int | None
+    ) -> Reservation:
+        """A held reservation of ``estimate`` made at ``stamp`` (``reservation.stamp``) by
+        another process or an earlier request, to settle or cancel here (``ratekeeper
+        serve``'s ``/settle``); nothing is sent until then."""
+        path = self._path
+        call = self._core.reserve(policy, identity, estimate)
+        return Reservation(
+            call,
+            path.resumed(call),
+            stamp,
+            lambda made, at, actual: self._drive(path.settle(made, at, actual)),
+            False,
+        )
+
+    def charge(self, policy: Policy, identity: Identity, cost: int) -> Decision:
+        """Add ``cost`` to what ``identity`` has consumed under ``policy`` whatever the limit
+        (work done without a reservation: a response's size, a job's real run time); the
+        decision as it stands after, for a next unit."""
+        return self._drive(self._path.charge(policy, identity, cost))  # type: ignore[no-any-return]
+
     def reset(self, policy: Policy, identity: Identity) -> int:
         """Forget everything ``identity`` has consumed under ``policy``; how many of its keys
         existed (0: nothing was stored). Raises StorageError if the store cannot be reached:
@@ -328,7 +384,7 @@ class AsyncLimiter(_Base[AsyncStorage]):
         """Whether a hit of ``cost`` would pass now, without consuming anything."""
         return await self._drive(self._path.peek(policy, identity, cost))  # type: ignore[no-any-return]
 
-    def acquire(self, policy: Policy, identity: Identity, cost: int = 1) -> Acquiring:
+    def acquire(self, policy: Policy, identity: Identity, cost: int = 1) -> Pending[AsyncLease]:
         """Take a lease under a ``concurrency`` policy: ``lease = await limiter.acquire(...)``
         or ``async with limiter.acquire(...) as lease:`` (released on exit)."""
         path = self._path
@@ -340,7 +396,45 @@ class AsyncLimiter(_Base[AsyncStorage]):
         async def take() -> AsyncLease:
             return AsyncLease(call, await self._drive(path.decide(call)), release)
 
-        return Acquiring(take)
+        return Pending(take)
+
+    def reserve(
+        self,
+        policy: Policy,
+        identity: Identity,
+        cost: int = 1,
+        *,
+        cancel_on_error: bool = False,
+    ) -> Pending[AsyncReservation]:
+        """:meth:`Limiter.reserve` on asyncio: ``r = await limiter.reserve(...)`` (then
+        ``await r.settle(actual)``), or ``async with limiter.reserve(...) as r:``."""
+        path = self._path
+        call = self._core.reserve(policy, identity, cost)
+
+        async def settle(made: Call, at: int | None, actual: int) -> Decision:
+            return await self._drive(path.settle(made, at, actual))  # type: ignore[no-any-return]
+
+        async def make() -> AsyncReservation:
+            decision, stamp = await self._drive(path.reserve(call))
+            return AsyncReservation(call, decision, stamp, settle, cancel_on_error)
+
+        return Pending(make)
+
+    def resume(
+        self, policy: Policy, identity: Identity, estimate: int, stamp: int | None
+    ) -> AsyncReservation:
+        """:meth:`Limiter.resume` on asyncio."""
+        path = self._path
+        call = self._core.reserve(policy, identity, estimate)
+
+        async def settle(made: Call, at: int | None, actual: int) -> Decision:
+            return await self._drive(path.settle(made, at, actual))  # type: ignore[no-any-return]
+
+        return AsyncReservation(call, path.resumed(call), stamp, settle, False)
+
+    async def charge(self, policy: Policy, identity: Identity, cost: int) -> Decision:
+        """:meth:`Limiter.charge` on asyncio."""
+        return await self._drive(self._path.charge(policy, identity, cost))  # type: ignore[no-any-return]
 
     async def reset(self, policy: Policy, identity: Identity) -> int:
         """:meth:`Limiter.reset` on asyncio."""

@@ -109,6 +109,45 @@ class Path:
         held)."""
         return self.decide(self.core.release(acquired, identity))
 
+    def reserve(self, call: Call) -> Steps:
+        """The steps of the reservation ``call`` (from ``core.reserve``, checked already):
+        its decision and its stamp (None when the store reserved nothing)."""
+        decide = self.decide(call)
+        stamp: int | None = None
+        try:
+            step = next(decide)
+            while True:
+                outcome = yield step
+                if step is call and isinstance(outcome, list):
+                    stamp = self.core.stamp(call, outcome)
+                step = decide.send(outcome)
+        except StopIteration as done:
+            decision: Decision = done.value
+            return decision, stamp if decision.allowed and not decision.degraded else None
+
+    @staticmethod
+    def resumed(call: Call) -> Decision:
+        """The decision a resumed reservation stands for: admitted (it was, where it was
+        made); the settle says where the identity stands."""
+        rate = call.policy.rates[0]
+        return Decision(
+            allowed=True,
+            limit=rate.limit,
+            remaining=0,
+            reset_after=0.0,
+            retry_after=None,
+            policy=call.policy.name,
+            rate=rate,
+        )
+
+    def settle(self, reserved: Call, stamp: int | None, actual: int) -> Steps:
+        """The steps of settling the reservation ``reserved`` for ``actual``."""
+        return self.decide(self.core.settle(reserved, stamp, actual))
+
+    def charge(self, policy: Policy, identity: Identity, cost: int) -> Steps:
+        """The steps of charging ``cost`` whatever the limit."""
+        return self.decide(self.core.charge(policy, identity, cost))
+
     def reset(self, policy: Policy, identity: Identity) -> tuple[str, ...]:
         """The keys to delete, with every local trace of them forgotten first."""
         keys = self.core.reset_keys(policy, identity)

@@ -24,7 +24,18 @@ from collections.abc import Awaitable, Callable, Iterable, MutableMapping
 from typing import TYPE_CHECKING, Any
 
 from ._decision import Decision
-from ._http import STATE_KEY, Admission, PolicyChoice, Rule, drive_async
+from ._http import (
+    COST_KEY,
+    SHOWN_KEY,
+    STATE_KEY,
+    Admission,
+    PolicyChoice,
+    Rule,
+    add_charged,
+    answered,
+    drive_async,
+    shown_headers,
+)
 from ._http._middleware import EndpointOptions, Middleware, endpoint_limiting
 from ._limiter import AsyncLimiter
 from ._request import LazyHeaders, Request
@@ -110,10 +121,10 @@ class RateLimitMiddleware(Middleware[ASGIApp, AsyncLimiter]):
     Rule methods match as frameworks route them: a rule naming GET also charges HEAD. Decisions
     the store could not make (``decision.degraded``) get no RateLimit headers: their numbers
     would be made up; a degraded denial (failure mode ``closed``) is still a 429. The headers
-    list every policy that applied in ``RateLimit-Policy``; ``RateLimit`` is the one that
-    constrains most. The decisions charged before the app runs are in
-    ``scope["state"]["ratekeeper"]`` (an empty tuple when none was: exempt, no policy applied;
-    a ``deduct_when`` policy is charged after the app).
+    list every policy that applied in ``RateLimit-Policy``, a :func:`fastapi_dependency`'s too
+    (whose 429 is sent as it is); ``RateLimit`` is the one that constrains most. The decisions
+    charged before the app runs are in ``scope["state"]["ratekeeper"]`` (an empty tuple when
+    none was: exempt, no policy applied; a ``deduct_when`` policy is charged after the app).
 
     On ``memory://`` in a process that is evidently one of several workers (``uvicorn
     --workers``, gunicorn), a warning is logged once: each worker would admit the whole limit.
@@ -143,16 +154,36 @@ class RateLimitMiddleware(Middleware[ASGIApp, AsyncLimiter]):
                 return
             await _respond(send, *admission.response)
             return
-        scope.setdefault("state", {})[STATE_KEY] = admission.decisions
+        state = scope.setdefault("state", {})
+        state[STATE_KEY] = admission.decisions
         if admission.deferred:
-            await self._deferred(admission, scope, receive, send)
+            await self._deferred(admission, state, scope, receive, send)
         elif not admission.headers or kind == "websocket":
             await self.app(scope, receive, send)
         else:
-            await self.app(scope, receive, _with_headers(send, admission.headers))
+            await self.app(scope, receive, self._with_headers(send, admission, state))
+
+    def _with_headers(self, send: Send, admission: Admission, state: dict[str, Any]) -> Send:
+        """``send``, adding the admission's headers to the response start."""
+        encoded = _encode(admission.headers)
+
+        async def wrapped(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                ours = encoded
+                if SHOWN_KEY in state:  # a dependency's limiter ran too
+                    ours = _encode(self.shown(state, admission.decisions, admission.headers))
+                message = {**message, "headers": _merge(message.get("headers", ()), ours)}
+            await send(message)
+
+        return wrapped
 
     async def _deferred(
-        self, admission: Admission, scope: Scope, receive: Receive, send: Send
+        self,
+        admission: Admission,
+        state: dict[str, Any],
+        scope: Scope,
+        receive: Receive,
+        send: Send,
     ) -> None:
         """Run the app, charging the ``deduct_when`` policies once its status is known: at
         the response start (a websocket: 101 when accepted, 403 when closed before; an
@@ -163,7 +194,9 @@ class RateLimitMiddleware(Middleware[ASGIApp, AsyncLimiter]):
             nonlocal settled
             settled = True
             headers = await drive_async(self.limiting.settle(admission, status), self.limiter)
-            return _encode(headers)
+            return _encode(self.shown(state, admission.shown, headers))
+
+        reported = any(charge.reported for charge in admission.deferred)
 
         async def wrapped(message: Message) -> None:
             kind = message["type"]
@@ -175,6 +208,11 @@ class RateLimitMiddleware(Middleware[ASGIApp, AsyncLimiter]):
                     await settle(101)
                 elif kind == "websocket.close":
                     await settle(403)
+            elif reported and kind == "http.response.body" and not message.get("more_body"):
+                # The last chunk: the cost the handler reported is settled before the client
+                # can see the end (and send its next request).
+                cost = state.get(COST_KEY)
+                await drive_async(self.limiting.finish(admission, cost), self.limiter)
             await send(message)
 
         try:
@@ -220,17 +258,6 @@ async def answer_lifespan(receive: Receive, send: Send) -> None:
         elif message["type"] == "lifespan.shutdown":
             await send({"type": "lifespan.shutdown.complete"})
             return
-
-
-def _with_headers(send: Send, headers: list[tuple[str, str]]) -> Send:
-    encoded = _encode(headers)
-
-    async def wrapped(message: Message) -> None:
-        if message["type"] == "http.response.start":
-            message = {**message, "headers": _merge(message.get("headers", ()), encoded)}
-        await send(message)
-
-    return wrapped
 
 
 async def _respond(send: Send, status: int, headers: list[tuple[str, str]], body: bytes) -> None:
@@ -292,14 +319,19 @@ def fastapi_dependency(
         )
         if admission is None:
             return None
+        state = request.scope.setdefault("state", {})
         if admission.response is not None:
             handlers = request.scope.get("starlette.exception_handlers")
             if handlers is not None:  # the app's own table: as add_exception_handler would
                 handlers[0].setdefault(RateLimitExceeded, rate_limit_exceeded_handler)
+            answered(state)
             raise RateLimitExceeded(admission.response)
-        for name, value in admission.headers:
+        headers = shown_headers(
+            state, admission.decisions, admission.headers, legacy=limiting.legacy_headers
+        )
+        for name, value in headers or ():
             response.headers[name] = value
-        request.scope.setdefault("state", {})[STATE_KEY] = admission.decisions
+        add_charged(state, admission.decisions)
         return admission.decisions[0] if admission.decisions else None
 
     # FastAPI reads these to inject the request and the response (string annotations from

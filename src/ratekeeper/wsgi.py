@@ -19,7 +19,17 @@ import inspect
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
-from ._http import STATE_KEY, Admission, PolicyChoice, Rule, drive_sync, merge_headers
+from ._http import (
+    STATE_KEY,
+    Admission,
+    PolicyChoice,
+    Rule,
+    add_charged,
+    answered,
+    drive_sync,
+    merge_headers,
+    shown_headers,
+)
 from ._http._middleware import EndpointOptions, Middleware, endpoint_limiting
 from ._limiter import Limiter
 from ._request import LazyHeaders, Request
@@ -88,7 +98,7 @@ class RateLimitMiddleware(Middleware[WSGIApp, Limiter]):
             return self.app(environ, start_response)
 
         def start(status: str, app_headers: list[tuple[str, str]], exc_info: Any = None) -> Any:
-            merged = merge_headers(app_headers, headers)
+            merged = merge_headers(app_headers, self.shown(environ, admission.decisions, headers))
             if exc_info is not None:
                 return start_response(status, merged, exc_info)
             return start_response(status, merged)
@@ -113,8 +123,9 @@ class RateLimitMiddleware(Middleware[WSGIApp, Limiter]):
         def start(status: str, app_headers: list[tuple[str, str]], exc_info: Any = None) -> Any:
             if not settled:
                 code = status.split(" ", 1)[0]
+                headers = settle(int(code) if code.isdigit() else 500)
                 app_headers = merge_headers(
-                    app_headers, settle(int(code) if code.isdigit() else 500)
+                    app_headers, self.shown(environ, admission.shown, headers)
                 )
             if exc_info is not None:
                 return start_response(status, app_headers, exc_info)
@@ -160,18 +171,25 @@ def flask_limit(
             limiting.admit(request_from_environ(environ)), limiter
         )
         if admission is not None and admission.response is None:
-            environ[STATE_KEY] = admission.decisions
+            add_charged(environ, admission.decisions)
         return admission
 
     def respond(admission: Admission | None, result: Any) -> Any:
         response = flask.make_response(result)
         if admission is not None:
-            for name, value in admission.headers:
+            headers = shown_headers(
+                flask.request.environ,
+                admission.decisions,
+                admission.headers,
+                legacy=limiting.legacy_headers,
+            )
+            for name, value in headers or ():
                 response.headers[name] = value
         return response
 
     def refused(admission: Admission) -> Any:
         assert admission.response is not None
+        answered(flask.request.environ)
         status, headers, body = admission.response
         return flask.Response(body, status=status, headers=headers)
 

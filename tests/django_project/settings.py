@@ -39,7 +39,15 @@ RATEKEEPER = {
         }
     ),
     "KEY": "header:x-api-key",
-    "RULES": [{"path": "/api/*", "policy": Policy("dj-api", "12/minute")}],
+    "RULES": [
+        {"path": "/api/*", "policy": Policy("dj-api", "12/minute")},
+        # The README's login rule: only failed logins (401) count.
+        {
+            "path": "/login",
+            "policy": Policy("dj-login", "3/15 minutes"),
+            "deduct_when": lambda status: status == 401,
+        },
+    ],
     "EXEMPT": ["/health"],
 }
 

@@ -7,6 +7,7 @@ from . import views
 urlpatterns = [
     path("health", views.health),
     path("api/items", views.items),
+    path("login", views.login),
     path("views/sync", views.sync_view),
     path("views/async", views.async_view),
     path("drf/burst", views.Burst.as_view()),

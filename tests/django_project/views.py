@@ -33,6 +33,11 @@ def items(request: HttpRequest) -> JsonResponse:
     return _pid(JsonResponse({"items": [1, 2, 3]}))
 
 
+def login(request: HttpRequest) -> JsonResponse:
+    """Every password is wrong: a 401, which the settings' login rule counts."""
+    return _pid(JsonResponse({"ok": False}, status=401))
+
+
 @ratelimit(SYNC_VIEW, key="header:x-api-key")
 def sync_view(request: HttpRequest) -> JsonResponse:
     return _pid(

@@ -7,11 +7,16 @@ from dataclasses import replace
 from .._errors import ConfigError
 from . import concurrency, fixed_window, gcra, sliding_log, sliding_window
 from ._base import (
+    CHARGE,
+    CONSUMES,
     HIT,
     PEEK,
+    REFUND,
     RELEASE,
+    RESERVE,
     RETRY_NEVER,
     RETRY_NONE,
+    SETTLES,
     Algorithm,
     Args,
     Reply,
@@ -21,11 +26,16 @@ from ._base import (
 
 __all__ = [
     "ALGORITHMS",
+    "CHARGE",
+    "CONSUMES",
     "HIT",
     "PEEK",
+    "REFUND",
     "RELEASE",
+    "RESERVE",
     "RETRY_NEVER",
     "RETRY_NONE",
+    "SETTLES",
     "Algorithm",
     "Args",
     "Reply",

@@ -7,16 +7,31 @@ compare against the script. Both take the same KEYS and ARGV and return the same
 ARGV, shared by every algorithm::
 
     1  now        microseconds since the epoch; 0 = use the store's clock (Redis TIME)
-    2  cost       units to consume, >= 1
+    2  cost       units to consume, >= 1 (>= 0 for a charge or a refund)
     3  mode       0 = hit (consume if every rate admits), 1 = peek (read only),
-                  2 = release (concurrency leases only; read only elsewhere)
-    4  token      unique per call (per-process nonce + counter): makes lease members unique
+                  2 = release (concurrency leases only; read only elsewhere),
+                  3 = reserve (a hit whose reply ends with the reservation's stamp),
+                  4 = charge (add ``cost`` now, whatever the limit: the rest of a settled
+                  reservation), 5 = refund (give back ``cost`` of the reservation stamped
+                  ARGV 4, where it still counts); 4 and 5 then reply as a peek of cost 1
+    4  token      unique per call (per-process nonce + counter): makes lease members unique;
+                  for a refund, the stamp of the reservation refunded
     5  margin     milliseconds every written key outlives the state it holds (clock skew)
     6  n          number of rates, then n pairs: limit, window in microseconds
     7+2n ...      then the algorithm's own arguments (gcra: a burst per rate)
 
 Reply: ``{allowed, remaining_1, reset_1, retry_1, ..., remaining_n, reset_n, retry_n}`` with
-times in microseconds; ``retry_i`` is -1 when rate i admits and -2 when it never can.
+times in microseconds; ``retry_i`` is -1 when rate i admits and -2 when it never can. A reserve
+appends the stamp its units were counted at (microseconds: ``now``, or for the log the time
+its entries took), which its refund sends back as ARGV 4.
+
+Reservations (modes 3 to 5) are a hit now and a correction later, each one atomic call: a
+settle charges the difference between the actual cost and the estimate (mode 4) or refunds it
+(mode 5). A refund takes back only what still counts: units of a window that has ended, or of
+log entries that have left it, are gone already. A charge is counted past the limit, so later
+calls wait for it; a counter keeps it up to the largest count its arithmetic holds exactly
+(never less than the limit again), and the log adds at most the largest limit of entries (more
+would change no reply: that many entries at one time fill every window until they leave).
 
 A script and its reference differ only where the difference changes no reply and no stored
 state (``tests/test_property.py`` checks both), for the script's speed: each difference is
@@ -29,7 +44,7 @@ client's clock when one is given), while a server expires them on its own clock;
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from .._errors import ConfigError
@@ -39,12 +54,17 @@ if TYPE_CHECKING:
     from .._policy import Policy
 
 __all__ = [
+    "CHARGE",
+    "CONSUMES",
     "HIT",
     "MAX_COUNTER_LIMIT",
     "PEEK",
+    "REFUND",
     "RELEASE",
+    "RESERVE",
     "RETRY_NEVER",
     "RETRY_NONE",
+    "SETTLES",
     "Algorithm",
     "Args",
     "Reply",
@@ -52,7 +72,12 @@ __all__ = [
     "encode_args",
 ]
 
-HIT, PEEK, RELEASE = 0, 1, 2
+HIT, PEEK, RELEASE, RESERVE, CHARGE, REFUND = 0, 1, 2, 3, 4, 5
+#: The modes that consume when every rate admits.
+CONSUMES = (HIT, RESERVE)
+#: The modes that settle a reservation: they write without asking the limit, then reply as a
+#: peek of cost 1.
+SETTLES = (CHARGE, REFUND)
 
 #: The largest limit the O(1) counter scripts take. Lua numbers are doubles, exact only to
 #: 2**53; with limits up to 2**52 every sum of a count and a cost that can still be admitted
@@ -78,8 +103,13 @@ class Args:
 
     @property
     def consumes(self) -> bool:
-        """Whether this call may write (a hit); peeks and releases of counters never do."""
-        return self.mode == HIT
+        """Whether this call may consume (a hit or a reserve); peeks and releases of counters
+        never do."""
+        return self.mode in CONSUMES
+
+    def settled(self) -> Args:
+        """The peek of cost 1 a charge or a refund replies as, once it has written."""
+        return replace(self, cost=1, mode=PEEK)
 
 
 def encode_args(

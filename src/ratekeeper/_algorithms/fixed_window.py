@@ -21,7 +21,19 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from .._keyspace import Keyspace
-from ._base import RETRY_NEVER, RETRY_NONE, Algorithm, Args, Reply, check_limits
+from ._base import (
+    CHARGE,
+    MAX_COUNTER_LIMIT,
+    REFUND,
+    RESERVE,
+    RETRY_NEVER,
+    RETRY_NONE,
+    SETTLES,
+    Algorithm,
+    Args,
+    Reply,
+    check_limits,
+)
 
 if TYPE_CHECKING:
     from .._policy import Policy
@@ -31,7 +43,33 @@ def validate(policy: Policy) -> None:
     check_limits(policy)
 
 
+def settle(keyspace: Keyspace, key: str, args: Args) -> None:
+    """A charge (in the current windows, past the limit) or a refund (from each rate whose
+    current window is the reservation's), as the script's settle block."""
+    now, cost = args.now, args.cost
+    stored: dict[str, int] = keyspace.get(key, now) or {}
+    at = int(args.token) if args.mode == REFUND else 0
+    writes: dict[str, int] = {}
+    expire_at = 0
+    changed = False
+    for i, (_, window) in enumerate(args.rates, 1):
+        start = now - now % window
+        count = stored.get(f"c{i}", 0) if stored.get(f"w{i}") == start else 0
+        if cost > 0 and args.mode == CHARGE:
+            count, changed = min(count + cost, MAX_COUNTER_LIMIT), True
+        elif cost > 0 and at - at % window == start:
+            count, changed = max(count - cost, 0), True
+        writes.update({f"w{i}": start, f"c{i}": count})
+        expire_at = max(expire_at, start + window)
+    if changed:
+        ttl = -(-(expire_at - now) // 1000) + args.margin_ms
+        keyspace.set(key, {**stored, **writes}, ttl, now)
+
+
 def reference(keyspace: Keyspace, keys: tuple[str, ...], args: Args) -> Reply:
+    if args.mode in SETTLES:
+        settle(keyspace, keys[0], args)
+        args = args.settled()
     now, cost = args.now, args.cost
     stored: dict[str, int] = keyspace.get(keys[0], now) or {}
     allowed = True
@@ -62,6 +100,8 @@ def reference(keyspace: Keyspace, keys: tuple[str, ...], args: Args) -> Reply:
     if consume:
         stored = {**stored, **writes}
         keyspace.set(keys[0], stored, -(-(expire_at - now) // 1000) + args.margin_ms, now)
+    if consume and args.mode == RESERVE:
+        reply.append(now)  # the reservation's stamp
     return reply
 
 

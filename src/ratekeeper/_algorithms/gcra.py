@@ -22,8 +22,18 @@ from typing import TYPE_CHECKING
 
 from .._errors import ConfigError
 from .._keyspace import Keyspace
-from .._rates import MAX_SPAN_US
-from ._base import RETRY_NEVER, RETRY_NONE, Algorithm, Args, Reply, check_limits
+from .._rates import MAX_INT, MAX_SPAN_US
+from ._base import (
+    CHARGE,
+    RESERVE,
+    RETRY_NEVER,
+    RETRY_NONE,
+    SETTLES,
+    Algorithm,
+    Args,
+    Reply,
+    check_limits,
+)
 
 if TYPE_CHECKING:
     from .._policy import Policy
@@ -61,7 +71,44 @@ def validate(policy: Policy) -> None:
             )
 
 
+def _debt(stored: dict[str, int], i: int, tms: int, limit: int) -> int:
+    """d = (TAT - t) * limit of rate ``i`` at ``tms``; 0 once the TAT has passed."""
+    q = stored.get(f"q{i}")
+    return (q - tms) * limit + stored[f"r{i}"] if q is not None and q >= tms else 0
+
+
+def settle(keyspace: Keyspace, key: str, args: Args) -> None:
+    """A charge (d grows by the cost, past the burst, up to a debt that stays exact and fits
+    ``MAX_SPAN_US``) or a refund (d shrinks by the cost, not below 0), as the script's settle
+    block."""
+    now, cost = args.now, args.cost
+    tms = now // 1000
+    stored: dict[str, int] = keyspace.get(key, now) or {}
+    writes: dict[str, int] = {}
+    ttl = 0
+    changed = False
+    for i, ((limit, window), burst) in enumerate(zip(args.rates, args.extra, strict=True), 1):
+        wms = window // 1000
+        d = _debt(stored, i, tms, limit)
+        if cost > 0 and (args.mode == CHARGE or d > 0):
+            changed = True
+            if args.mode == CHARGE:
+                d = min(d + cost * wms, MAX_INT - burst * wms, limit * (MAX_SPAN_US // 1000))
+            else:
+                d = max(d - cost * wms, 0)
+        whole = d // limit
+        rest = d - whole * limit
+        writes.update({f"q{i}": tms + whole, f"r{i}": rest})
+        if d > 0:
+            ttl = max(ttl, tms * 1000 - now + whole * 1000 - (-(rest * 1000) // limit))
+    if changed:
+        keyspace.set(key, {**stored, **writes}, -(-ttl // 1000) + args.margin_ms, now)
+
+
 def reference(keyspace: Keyspace, keys: tuple[str, ...], args: Args) -> Reply:
+    if args.mode in SETTLES:
+        settle(keyspace, keys[0], args)
+        args = args.settled()
     now, cost = args.now, args.cost
     tms = now // 1000
     stored: dict[str, int] = keyspace.get(keys[0], now) or {}
@@ -69,8 +116,7 @@ def reference(keyspace: Keyspace, keys: tuple[str, ...], args: Args) -> Reply:
     ds = []
     for i, ((limit, window), burst) in enumerate(zip(args.rates, args.extra, strict=True), 1):
         wms = window // 1000
-        q = stored.get(f"q{i}")
-        d = (q - tms) * limit + stored[f"r{i}"] if q is not None and q >= tms else 0
+        d = _debt(stored, i, tms, limit)
         ds.append(d)
         if d + cost * wms > burst * wms:
             allowed = False
@@ -99,6 +145,8 @@ def reference(keyspace: Keyspace, keys: tuple[str, ...], args: Args) -> Reply:
         writes.update({f"q{i}": tms + whole, f"r{i}": after - whole * limit})
     if consume:
         keyspace.set(keys[0], {**stored, **writes}, -(-ttl // 1000) + args.margin_ms, now)
+    if consume and args.mode == RESERVE:
+        reply.append(now)  # the reservation's stamp
     return reply
 
 

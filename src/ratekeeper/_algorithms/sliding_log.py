@@ -28,7 +28,7 @@ from .._keyspace import Keyspace
 if TYPE_CHECKING:
     from .._policy import Policy
 
-from ._base import RETRY_NEVER, RETRY_NONE, Algorithm, Args, Reply
+from ._base import REFUND, RESERVE, RETRY_NEVER, RETRY_NONE, SETTLES, Algorithm, Args, Reply
 
 
 def validate(policy: Policy) -> None:
@@ -41,7 +41,32 @@ def validate(policy: Policy) -> None:
         )
 
 
+def settle(keyspace: Keyspace, key: str, args: Args) -> None:
+    """A refund (remove ``cost`` entries of the reservation's time) or a charge (append up to
+    the largest limit of entries at max(now, the newest)), as the script's settle block."""
+    now, cost = args.now, args.cost
+    if cost == 0:
+        return
+    log: list[int] = keyspace.get(key, now) or []
+    if args.mode == REFUND:
+        at = int(args.token)
+        for _ in range(cost):
+            if at not in log:
+                break
+            log.remove(at)
+        if not log:
+            keyspace.delete([key])  # as Redis drops an empty list
+        return
+    stamp = max(now, log[-1]) if log else now
+    log.extend([stamp] * min(cost, max(limit for limit, _ in args.rates)))
+    longest = max(window for _, window in args.rates)
+    keyspace.set(key, log, -(-(stamp - now + longest) // 1000) + args.margin_ms, now)
+
+
 def reference(keyspace: Keyspace, keys: tuple[str, ...], args: Args) -> Reply:
+    if args.mode in SETTLES:
+        settle(keyspace, keys[0], args)
+        args = args.settled()
     now, cost = args.now, args.cost
     log: list[int] = keyspace.get(keys[0], now) or []
     newest = log[-1] if log else None
@@ -78,6 +103,8 @@ def reference(keyspace: Keyspace, keys: tuple[str, ...], args: Args) -> Reply:
         del log[: bisect_right(log, now - longest)]
         # The log lives until its newest entry has left the longest window, plus the margin.
         keyspace.set(keys[0], log, -(-(at - now + longest) // 1000) + args.margin_ms, now)
+        if args.mode == RESERVE:
+            reply.append(at)  # a reservation's stamp: its entries' time
     return reply
 
 

@@ -26,7 +26,18 @@ from typing import TYPE_CHECKING
 from .._errors import ConfigError
 from .._keyspace import Keyspace
 from .._rates import MAX_INT
-from ._base import RETRY_NEVER, RETRY_NONE, Algorithm, Args, Reply, check_limits
+from ._base import (
+    CHARGE,
+    REFUND,
+    RESERVE,
+    RETRY_NEVER,
+    RETRY_NONE,
+    SETTLES,
+    Algorithm,
+    Args,
+    Reply,
+    check_limits,
+)
 
 if TYPE_CHECKING:
     from .._policy import Policy
@@ -35,11 +46,54 @@ if TYPE_CHECKING:
 def validate(policy: Policy) -> None:
     check_limits(policy)
     for rate in policy.rates:
-        if rate.limit * rate.period_ms > MAX_INT:
+        if 2 * rate.limit * rate.period_ms > MAX_INT:
             raise ConfigError(
-                f"policy {policy.name!r}: sliding_window needs limit x period in ms <= 2**53 "
-                f"for exact arithmetic, and {rate} exceeds it; use a shorter period"
+                f"policy {policy.name!r}: sliding_window needs limit x period in ms <= 2**52 "
+                f"for exact arithmetic (a settled reservation may count up to twice the limit), "
+                f"and {rate} exceeds it; use a shorter period"
             )
+
+
+def _counts(stored: dict[str, int], i: int, start: int, window: int) -> tuple[int, int]:
+    """Rate ``i``'s counts in the window starting at ``start`` and in the one before."""
+    w = stored.get(f"w{i}")
+    if w == start:
+        return stored[f"c{i}"], stored[f"p{i}"]
+    if w == start - window:
+        return 0, stored[f"c{i}"]
+    return 0, 0
+
+
+def _cap(limit: int, wms: int) -> int:
+    """The largest count a charge leaves in a window: every product stays below 2**53."""
+    return MAX_INT // wms - limit
+
+
+def settle(keyspace: Keyspace, key: str, args: Args) -> None:
+    """A charge (in the current window, past the limit) or a refund (from the window the
+    reservation was counted in, current or previous), as the script's settle block."""
+    now, cost = args.now, args.cost
+    stored: dict[str, int] = keyspace.get(key, now) or {}
+    at = int(args.token) if args.mode == REFUND else 0
+    writes: dict[str, int] = {}
+    expire_at = 0
+    changed = False
+    for i, (limit, window) in enumerate(args.rates, 1):
+        start = now - now % window
+        curr, prev = _counts(stored, i, start, window)
+        if cost > 0:
+            since = at - at % window
+            if args.mode == CHARGE:
+                curr, changed = min(curr + cost, _cap(limit, window // 1000)), True
+            elif since == start:
+                curr, changed = max(curr - cost, 0), True
+            elif since == start - window:
+                prev, changed = max(prev - cost, 0), True
+        writes.update({f"w{i}": start, f"c{i}": curr, f"p{i}": prev})
+        expire_at = max(expire_at, start + 2 * window)
+    if changed:
+        ttl = _ceil_div(expire_at - now, 1000) + args.margin_ms
+        keyspace.set(key, {**stored, **writes}, ttl, now)
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -47,18 +101,16 @@ def _ceil_div(a: int, b: int) -> int:
 
 
 def reference(keyspace: Keyspace, keys: tuple[str, ...], args: Args) -> Reply:
+    if args.mode in SETTLES:
+        settle(keyspace, keys[0], args)
+        args = args.settled()
     now, cost = args.now, args.cost
     stored: dict[str, int] = keyspace.get(keys[0], now) or {}
     allowed = True
     state = []
     for i, (limit, window) in enumerate(args.rates, 1):
         start = now - now % window
-        w = stored.get(f"w{i}")
-        curr = prev = 0
-        if w == start:
-            curr, prev = stored[f"c{i}"], stored[f"p{i}"]
-        elif w == start - window:
-            prev = stored[f"c{i}"]
+        curr, prev = _counts(stored, i, start, window)
         wms, e = window // 1000, (now - start) // 1000
         state.append((start, curr, prev, wms, e))
         if prev * (wms - e) > (limit - curr - cost) * wms:
@@ -93,6 +145,8 @@ def reference(keyspace: Keyspace, keys: tuple[str, ...], args: Args) -> Reply:
     if consume:
         ttl = _ceil_div(expire_at - now, 1000) + args.margin_ms
         keyspace.set(keys[0], {**stored, **writes}, ttl, now)
+    if consume and args.mode == RESERVE:
+        reply.append(now)  # the reservation's stamp
     return reply
 
 

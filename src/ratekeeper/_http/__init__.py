@@ -21,14 +21,16 @@ A request is handled in two steps:
 Its rooms: ``_base`` (the vocabulary: choices, constants), ``_rules`` (which requests a policy
 applies to), ``_render`` (headers and 429 bodies), ``_limiting`` (the decision for a request,
 no I/O), ``_drivers`` (running it, blocking or asyncio), ``_middleware`` (what the ASGI and WSGI
-middlewares share) and ``_workers`` (``memory://`` under several workers). The request view
-is ``ratekeeper._request``.
+middlewares share), ``_nested`` (several limiters on one request: a decorator or dependency
+behind a middleware, one set of headers) and ``_workers`` (``memory://`` under several
+workers). The request view is ``ratekeeper._request``.
 """
 
 from __future__ import annotations
 
 from .._request import KeyFunc, LazyHeaders, Request
 from ._base import (
+    COST_KEY,
     STATE_KEY,
     CostChoice,
     DeductWhen,
@@ -40,8 +42,9 @@ from ._base import (
     _is_async,
 )
 from ._drivers import drive_async, drive_blocking, drive_sync
-from ._limiting import Admission, Charge, Limiting, Steps, StoreCall
+from ._limiting import Admission, Charge, Limiting, Settle, Steps, StoreCall
 from ._middleware import EndpointOptions, Middleware, MiddlewareOptions, endpoint_limiting
+from ._nested import SHOWN_KEY, add_charged, answered, shown_headers
 from ._render import (
     headers_for,
     merge_headers,
@@ -54,6 +57,8 @@ from ._rules import Rule, anonymous_identity, is_preflight, make_rules, match_ru
 from ._workers import several_workers, warn_memory_under_workers
 
 __all__ = [
+    "COST_KEY",
+    "SHOWN_KEY",
     "STATE_KEY",
     "Admission",
     "Charge",
@@ -72,10 +77,13 @@ __all__ = [
     "Preflight",
     "Request",
     "Rule",
+    "Settle",
     "Steps",
     "StoreCall",
     "_is_async",
+    "add_charged",
     "anonymous_identity",
+    "answered",
     "drive_async",
     "drive_blocking",
     "drive_sync",
@@ -90,5 +98,6 @@ __all__ = [
     "rate_limit_headers",
     "response_headers",
     "several_workers",
+    "shown_headers",
     "warn_memory_under_workers",
 ]

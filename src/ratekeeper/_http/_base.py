@@ -35,6 +35,9 @@ MISSING_IDENTITY_DETAIL = "The request carries no client identity, which this en
 #: The key the decisions charged for a request are stored under: ``scope["state"][STATE_KEY]``
 #: (``request.state.ratekeeper`` on Starlette, FastAPI and Litestar) and ``environ[STATE_KEY]``.
 STATE_KEY = "ratekeeper"
+#: Where a handler reports the real cost of its request for a ``reported_cost`` rule
+#: (``request.state.ratekeeper_cost = tokens``).
+COST_KEY = "ratekeeper_cost"
 
 
 #: A rule's policy: a Policy, None (not limited), or a callable of the request returning one

@@ -6,7 +6,7 @@ from __future__ import annotations
 import inspect
 import re
 from collections.abc import Awaitable, Callable, Generator, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from .._decision import Decision
@@ -43,27 +43,45 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True, slots=True)
 class StoreCall:
-    """A store call the driver makes: ``limiter.peek`` if ``peek``, else ``limiter.hit``;
-    for ``cached``, the limiter's local deny cache only (no store call): a cached denial of
-    that hit, or None."""
+    """A store call the driver makes: ``limiter.peek`` if ``peek``, ``limiter.reserve`` if
+    ``reserve`` (answered with the reservation), else ``limiter.hit``; for ``cached``, the
+    limiter's local deny cache only (no store call): a cached denial of that hit, or None."""
 
     policy: Policy
     identity: str
     cost: int
     peek: bool = False
     cached: bool = False
+    reserve: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Settle:
+    """A reservation the driver settles for ``actual`` (``reservation.settle(actual)``), or
+    cancels when ``actual`` is None (``reservation.cancel()``), awaited on asyncio; answered
+    with the decision after it, or None."""
+
+    reservation: Any
+    actual: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
 class Charge:
     """One policy to charge for a request: ``cost`` of ``policy`` for ``identity``.
-    ``deduct_when`` set: charged after the response, when it says so."""
+    ``deduct_when`` set: charged after the response, when it says so. ``reported``: the
+    cost is an estimate, settled to the cost the handler reports once the response ends."""
 
     policy: Policy
     identity: str
     cost: int
     shadow: bool
     deduct_when: DeductWhen | None = None
+    reported: bool = False
+
+    @property
+    def deferred(self) -> bool:
+        """Whether it is reserved before the handler and settled after."""
+        return self.deduct_when is not None or self.reported
 
 
 @dataclass(slots=True)
@@ -74,22 +92,25 @@ class Admission:
     "reject"``), with no call to the app. Otherwise pass it on: ``headers`` are those to add
     to the app's response when nothing is ``deferred``; ``decisions`` are the decisions
     charged (for the handler). ``deferred`` charges wait for the status (:meth:`Limiting.
-    settle`); ``peeked`` are their peeks, in the same order.
+    settle`); ``reserved`` are their reservations (a ``Reservation`` or ``AsyncReservation``
+    each), in the same order; once settled, ``shown`` are the decisions its headers describe.
     """
 
     decisions: tuple[Decision, ...]
     headers: list[tuple[str, str]]
     response: tuple[int, list[tuple[str, str]], bytes] | None = None
     deferred: tuple[Charge, ...] = ()
-    peeked: tuple[Decision, ...] = ()
+    reserved: tuple[Any, ...] = ()
+    shown: tuple[Decision, ...] = ()
 
     @property
     def blocked(self) -> bool:
         return self.response is not None
 
 
-#: What ``admit`` and ``settle`` yield: a store call, or an awaitable from an async callable.
-Step = StoreCall | Awaitable[Any]
+#: What ``admit`` and ``settle`` yield: a store call, a reservation to cancel, or an awaitable
+#: from an async callable.
+Step = StoreCall | Settle | Awaitable[Any]
 Steps = Generator[Step, Any, Any]
 
 
@@ -142,6 +163,8 @@ class Limiting:
       whose key found no identity.
     * ``enabled``: False passes every request on untouched, without a store call.
     * ``asynchronous``: whether the driver can await (async callables are refused otherwise).
+    * ``settles_reported``: whether the driver calls :meth:`finish` when the response ends
+      (rules with ``reported_cost`` are refused otherwise).
 
     **Stacked policies.** A request is admitted only when every policy that applies admits
     it. They are asked one after another (two policies never share a cluster slot: each
@@ -150,14 +173,15 @@ class Limiting:
 
     1. the local deny cache of every policy to be hit (no store call): a denial cached there
        answers at once and consumes nothing from any policy;
-    2. the peek of every ``deduct_when`` policy (consumes nothing);
+    2. the reservation of every ``deduct_when`` policy's cost (cancelled if a later policy
+       denies, or once the status says the outcome does not count);
     3. the hit of the rule's policy, then the hit of the application policy.
 
     So a denial by the rule's policy consumes nothing from the application policy, and a
     denial by the application policy after the rule's admitted has consumed the rule's cost
     from the rule's policy; further requests denied while that denial is in the deny cache
-    consume nothing. A ``deduct_when`` policy is charged only after the response, so a
-    denial by any policy before the handler consumes nothing from it.
+    consume nothing. A ``deduct_when`` policy's reservation is cancelled when any policy
+    denies the request, so a denial before the handler consumes nothing from it.
     """
 
     __slots__ = (
@@ -193,6 +217,7 @@ class Limiting:
         application_key: KeyChoice | None = None,
         enabled: bool = True,
         asynchronous: bool = False,
+        settles_reported: bool = False,
     ) -> None:
         if missing_identity not in MISSING_IDENTITY:
             raise ConfigError(
@@ -220,6 +245,11 @@ class Limiting:
         if application_key is not None and application_policy is None:
             raise ConfigError("application_key needs an application_policy")
         self.rules = make_rules(policy, rules, exempt)
+        if not settles_reported and any(rule.reported_cost for rule in self.rules):
+            raise ConfigError(
+                "reported_cost is settled when the response ends, which only the ASGI "
+                "middleware (ratekeeper.asgi) sees: use it there"
+            )
         if application_policy is None and not any(r.policy is not None for r in self.rules):
             raise ConfigError("the middleware needs a policy, or rules with policies")
         self.asynchronous = asynchronous
@@ -363,6 +393,8 @@ class Limiting:
             if isinstance(found, Admission):
                 return found
             if found is not None:
+                if compiled.rule.reported_cost:
+                    found = replace(found, reported=True)
                 charges.append(found)
         if self._application is not None:
             found = yield from self._charge(
@@ -380,8 +412,8 @@ class Limiting:
                 charges.append(found)
         if not charges:
             return None
-        now = [c for c in charges if c.deduct_when is None]
-        later = tuple(c for c in charges if c.deduct_when is not None)
+        now = [c for c in charges if not c.deferred]
+        later = tuple(c for c in charges if c.deferred)
         # 1. A denial in the local deny cache answers at once, consuming nothing.
         for charge in now if len(charges) > 1 else ():
             if not charge.shadow:
@@ -389,40 +421,69 @@ class Limiting:
                 if cached is not None:
                     return self._deny([cached], cached, request)
         decided: list[Decision] = []
-        # 2. Outcome-counted policies: a peek, refused before the handler when already spent.
-        peeked: list[Decision] = []
+        # 2. Outcome-counted policies: a reservation of the cost, held while the handler runs
+        #    (so at most the limit can be counted or in flight at once), settled by its status.
+        reserved: list[Any] = []
         for charge in later:
-            decision = yield StoreCall(charge.policy, charge.identity, charge.cost, peek=True)
-            peeked.append(decision)
-            if not decision.allowed and not charge.shadow:
-                return self._deny([*decided, decision], decision, request)
+            reservation = yield StoreCall(charge.policy, charge.identity, charge.cost, reserve=True)
+            reserved.append(reservation)
+            if not reservation.allowed and not charge.shadow:
+                held = yield from self._cancel(reserved)
+                return self._deny(held, reservation.decision, request)
         # 3. The hits, the rule's policy first.
         for charge in now:
             decision = yield StoreCall(charge.policy, charge.identity, charge.cost)
             decided.append(decision)
             if not decision.allowed and not charge.shadow:
-                return self._deny([*decided, *peeked], decision, request)
+                held = yield from self._cancel(reserved)  # the handler will not run
+                return self._deny([*decided, *held], decision, request)
         if later:
-            return Admission(tuple(decided), [], None, later, tuple(peeked))
+            return Admission(tuple(decided), [], None, later, tuple(reserved))
         return Admission(tuple(decided), self._passed(decided))
 
+    @staticmethod
+    def _cancel(reserved: Sequence[Any]) -> Steps:
+        """Cancel the reservations still held; the decisions after (each one's own where
+        nothing was refunded)."""
+        after: list[Decision] = []
+        for reservation in reserved:
+            decision = (yield Settle(reservation)) if reservation.held else None
+            after.append(reservation.decision if decision is None else decision)
+        return after
+
     def settle(self, admission: Admission, status: int) -> Steps:
-        """Charge the deferred policies that ``deduct_when(status)`` calls for: a generator
-        of steps returning the headers to add to the response (every decision of the
-        request: charged ones, and the peeks of those not charged). Run it once the status is
-        known, before the response starts."""
+        """Settle the deferred policies' reservations by ``deduct_when(status)``: kept where
+        it counts the outcome (nothing to send), cancelled where it does not. A generator of
+        steps returning the headers to add to the response (every decision of the request:
+        the kept reservations', and where the others' cancels left them). Run it once the
+        status is known, before the response starts."""
         before = admission.decisions
         charged: list[Decision] = []
         shown: list[Decision] = []  # the rule's policy first, as in the hits
-        for charge, peek in zip(admission.deferred, admission.peeked, strict=True):
-            if charge.deduct_when is not None and charge.deduct_when(status):
-                decision = yield StoreCall(charge.policy, charge.identity, charge.cost)
-                charged.append(decision)
-                shown.append(decision)
+        for charge, reservation in zip(admission.deferred, admission.reserved, strict=True):
+            if charge.deduct_when is None or charge.deduct_when(status):
+                if reservation.held:
+                    if not charge.reported:  # else settled when the response ends
+                        reservation.keep()
+                    charged.append(reservation.decision)
+                shown.append(reservation.decision)
             else:
-                shown.append(peek)
+                (after,) = yield from self._cancel([reservation])
+                shown.append(after)
         admission.decisions = (*charged, *before)
-        return self._passed([*shown, *before])
+        admission.shown = (*shown, *before)
+        return self._passed(admission.shown)
+
+    @staticmethod
+    def finish(admission: Admission, reported: int | None) -> Steps:
+        """Once the response has ended: settle the reservations of ``reported_cost`` rules
+        to the cost the handler reported (None: it reported none, and the estimate stays)."""
+        for charge, reservation in zip(admission.deferred, admission.reserved, strict=True):
+            if charge.reported and reservation.held:
+                if reported is None:
+                    reservation.keep()
+                else:
+                    yield Settle(reservation, reported)
 
     def _passed(self, decisions: Sequence[Decision]) -> list[tuple[str, str]]:
         # Passed on (allowed, or shadow mode): no Retry-After, the client need not wait.

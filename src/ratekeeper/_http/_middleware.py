@@ -12,9 +12,10 @@ middleware says which limiter it drives; this base refuses the other kind, build
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, MutableMapping
 from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypedDict, TypeVar
 
+from .._decision import Decision
 from .._errors import ConfigError
 from .._policy import Policy
 from ._base import (
@@ -26,6 +27,7 @@ from ._base import (
     Preflight,
 )
 from ._limiting import Limiting
+from ._nested import shown_headers
 from ._rules import Rule
 from ._workers import warn_memory_under_workers
 
@@ -71,9 +73,24 @@ class Middleware(Generic[_App, _L]):
             raise ConfigError(self.refusal)
         self.app = app
         self.limiter: _L = limiter
-        self.limiting = Limiting(**options, asynchronous=self.kind == "ASGI")
+        asgi = self.kind == "ASGI"
+        self.limiting = Limiting(**options, asynchronous=asgi, settles_reported=asgi)
         if self.limiting.enabled:
             warn_memory_under_workers(limiter, f"the {self.kind} middleware's limiter")
+
+    def shown(
+        self,
+        state: MutableMapping[str, Any],
+        decisions: tuple[Decision, ...],
+        headers: list[tuple[str, str]],
+    ) -> list[tuple[str, str]]:
+        """The headers to add to the app's response for ``decisions`` (rendered as
+        ``headers``) and those of a limiter that ran in the app on the same request (a
+        ``fastapi_dependency``, a ``flask_limit``): none when that one answered it."""
+        shown = shown_headers(
+            state, decisions, headers, legacy=self.limiting.legacy_headers, record=False
+        )
+        return [] if shown is None else shown
 
 
 class EndpointOptions(TypedDict, total=False):

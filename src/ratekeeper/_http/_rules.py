@@ -85,10 +85,18 @@ class Rule:
     middleware's key function; ``cost`` is what one request spends, an int or a callable of
     the request. Under ASGI each callable may be sync or ``async def``.
 
-    ``deduct_when`` counts on the outcome: a callable of the response's status code. The
-    request is refused before the handler runs when the budget is already spent (a peek, which
-    consumes nothing), and charged once the status is known, only when ``deduct_when(status)``
-    is true: ``deduct_when=lambda status: status == 401`` counts failed logins.
+    ``deduct_when`` counts on the outcome: a callable of the response's status code. The cost
+    is reserved before the handler runs (the request is refused when it does not fit), kept
+    once the status is known when ``deduct_when(status)`` is true, and refunded otherwise:
+    ``deduct_when=lambda status: status == 401`` counts failed logins. So requests in flight
+    count until they end: however many arrive at once, at most the limit reach the handler
+    beyond those whose outcome did not count.
+
+    ``reported_cost`` (the ASGI middleware): ``cost`` is an estimate, reserved before the
+    handler runs and settled to the cost the handler reports once the response has ended,
+    streamed or not: ``request.state.ratekeeper_cost = tokens`` (``scope["state"]``); the
+    estimate stays when it reports none. With ``deduct_when`` too, an outcome that does not
+    count refunds the estimate at the response start.
 
     ``shadow`` decides and sets headers but never blocks.
     """
@@ -100,6 +108,7 @@ class Rule:
     cost: CostChoice = 1
     shadow: bool = False
     deduct_when: DeductWhen | None = None
+    reported_cost: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.path, (str, re.Pattern)):
@@ -141,6 +150,12 @@ class Rule:
                 raise ConfigError("rule deduct_when must be a plain function of the status code")
             if self.policy is None:
                 raise ConfigError("rule deduct_when needs a policy to charge")
+        if not isinstance(self.reported_cost, bool):
+            raise ConfigError(
+                f"rule reported_cost must be True or False, got {self.reported_cost!r}"
+            )
+        if self.reported_cost and self.policy is None:
+            raise ConfigError("rule reported_cost needs a policy to charge")
 
     def matches(self, method: str, path: str) -> bool:
         if self.methods is not None and not (

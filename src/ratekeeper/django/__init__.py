@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import functools
 import re
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, MutableMapping
 from typing import Any
 
 from asgiref.sync import iscoroutinefunction, markcoroutinefunction
@@ -39,9 +39,11 @@ from .._http import (
     Limiting,
     Rule,
     Steps,
+    answered,
     drive_async,
     drive_blocking,
     drive_sync,
+    shown_headers,
     warn_memory_under_workers,
 )
 from .._limiter import Limiter
@@ -68,14 +70,37 @@ def _record(request: HttpRequest, decisions: tuple[Decision, ...]) -> None:
         request.ratekeeper = (*previous, *decisions)
 
 
-def _blocked(admission: Admission) -> HttpResponse:
+def _state(request: HttpRequest) -> MutableMapping[str, Any]:
+    """Where the limiters of a request record what its headers show: the ASGI scope's state,
+    else the WSGI environ (``request.META``), as ``ratekeeper.asgi`` and ``.wsgi`` read them."""
+    scope = getattr(request, "scope", None)
+    state: MutableMapping[str, Any] = (
+        scope.setdefault("state", {}) if isinstance(scope, dict) else request.META
+    )
+    return state
+
+
+def _blocked(request: HttpRequest, admission: Admission) -> HttpResponse:
+    """The response of a request a limiter answered: the limiters around leave it alone."""
     assert admission.response is not None
+    answered(_state(request))
     status, headers, body = admission.response
     return HttpResponse(body, status=status, headers=dict(headers))
 
 
-def _with_headers(response: HttpResponseBase, headers: list[tuple[str, str]]) -> Any:
-    for name, value in headers:
+def _with_headers(
+    limiting: Limiting,
+    request: HttpRequest,
+    response: HttpResponseBase,
+    admission: Admission,
+    headers: list[tuple[str, str]],
+) -> Any:
+    """``response`` with the headers of the admission (``headers``) and those of the limiters
+    that ran inside this one (a decorated view behind the middleware), unless one of them
+    answered the request."""
+    decisions = admission.shown if admission.deferred else admission.decisions
+    shown = shown_headers(_state(request), decisions, headers, legacy=limiting.legacy_headers)
+    for name, value in shown or ():
         response[name] = value
     return response
 
@@ -88,7 +113,7 @@ def _run_sync(
     if admission is None:
         return handler()
     if admission.blocked:
-        return _blocked(admission)
+        return _blocked(request, admission)
     before = admission.decisions
     _record(request, before)
     response = handler()
@@ -96,7 +121,7 @@ def _run_sync(
     if admission.deferred:
         headers = drive_sync(limiting.settle(admission, response.status_code), limiter)
         _record(request, admission.decisions[: len(admission.decisions) - len(before)])
-    return _with_headers(response, headers)
+    return _with_headers(limiting, request, response, admission, headers)
 
 
 async def _run_async(
@@ -123,7 +148,7 @@ async def _run_async(
     if admission is None:
         return await handler()
     if admission.blocked:
-        return _blocked(admission)
+        return _blocked(request, admission)
     before = admission.decisions
     _record(request, before)
     response = await handler()
@@ -131,7 +156,7 @@ async def _run_async(
     if admission.deferred:
         headers = await drive(limiting.settle(admission, response.status_code))
         _record(request, admission.decisions[: len(admission.decisions) - len(before)])
-    return _with_headers(response, headers)
+    return _with_headers(limiting, request, response, admission, headers)
 
 
 class RateLimitMiddleware:

@@ -1,6 +1,7 @@
 -- _prelude.lua: prepended to every script by ratekeeper/_scripts.py (Lua scripts cannot import).
 -- It reads what every script needs of the ARGV layout (see ratekeeper/_algorithms/_base.py):
---   now (us; 0 = the server's TIME), cost, mode (0 hit, 1 peek, 2 release), token, margin (ms),
+--   now (us; 0 = the server's TIME), cost, mode (0 hit, 1 peek, 2 release, 3 reserve, 4 charge,
+--   5 refund), token, margin (ms),
 --   n, then n pairs of limit and window (us), then the algorithm's own arguments.
 --
 -- Every step of a script counts (see benchmarks/script_cost.py): a redis.call costs about as much
@@ -27,6 +28,7 @@ if server_clock then
 end
 local cost = ARGV[2] + 0
 local mode = ARGV[3]
-local peek = mode ~= '0'
+-- Read only: anything but a hit or a reserve (a charge or a refund writes first, then peeks).
+local peek = mode ~= '0' and mode ~= '3'
 local n = ARGV[6] + 0
 local key = KEYS[1]

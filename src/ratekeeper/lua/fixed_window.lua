@@ -24,7 +24,40 @@
 --     script does so too: the server's clock, which runs the TTL, may not keep pace with it.
 --   * Only this policy's fields are read (HMGET); the reference reads the whole hash. Both
 --     leave fields of other rates in the hash as they are.
--- now, server_clock, cost, peek, n and key come from _prelude.lua.
+-- Settling a reservation (mode 4 charges cost in the current windows, past the limit, up to
+-- 2^52 a window; mode 5 refunds cost from each rate whose current window is the one the
+-- reservation at ARGV[4] was counted in) writes first, then replies as a peek of cost 1.
+-- now, server_clock, cost, mode, peek, n and key come from _prelude.lua.
+
+if mode == '4' or mode == '5' then
+  local fields = {}
+  for i = 1, n do fields[2 * i - 1], fields[2 * i] = 'w' .. i, 'c' .. i end
+  local got = redis.call('HMGET', key, unpack(fields))
+  local at = 0
+  if mode == '5' then at = ARGV[4] + 0 end
+  local writes, ttl, changed = {}, 0, false
+  for i = 1, n do
+    local window = ARGV[6 + 2 * i] + 0
+    local start = now - now % window
+    local count = 0
+    if got[2 * i - 1] and got[2 * i - 1] + 0 == start then count = got[2 * i] + 0 end
+    if cost > 0 then
+      if mode == '4' then
+        count, changed = math.min(count + cost, 4503599627370496), true
+      elseif at - at % window == start then
+        count, changed = math.max(count - cost, 0), true
+      end
+    end
+    writes[4 * i - 3], writes[4 * i - 2] = 'w' .. i, string.format('%d', start)
+    writes[4 * i - 1], writes[4 * i] = 'c' .. i, string.format('%d', count)
+    if start + window - now > ttl then ttl = start + window - now end
+  end
+  if changed then
+    redis.call('HSET', key, unpack(writes))
+    redis.call('PEXPIRE', key, string.format('%d', math.ceil(ttl / 1000) + ARGV[5]))
+  end
+  cost = 1
+end
 
 local stored
 if n == 1 then
@@ -95,4 +128,5 @@ elseif consume then
   end
   redis.call('PEXPIRE', key, string.format('%d', math.ceil(ttl / 1000) + ARGV[5]))
 end
+if consume and mode == '3' then reply[3 * n + 2] = now end  -- a reservation's stamp
 return reply

@@ -24,7 +24,12 @@
 --   * Only this policy's fields are read (HMGET); the reference reads the whole hash.
 --   * W in ms is ARGV / 1000 here (a double) and window // 1000 there: the same, because a
 --     window is always a whole number of milliseconds (Rate.period_us).
--- now, cost, peek, n and key come from _prelude.lua.
+--
+-- Settling a reservation moves d and nothing else (mode 4: d + cost * W, past the burst, up to
+-- a debt whose arithmetic stays exact and whose wait fits 2^51 us; mode 5: d - cost * W, not
+-- below 0, as if the units had never been taken: GCRA is linear above an empty bucket). It
+-- writes first, then replies as a peek of cost 1.
+-- now, cost, mode, peek, n and key come from _prelude.lua.
 
 -- floor(a / b) for integers, exact where a / b in doubles might round across an integer.
 local function idiv(a, b)
@@ -41,6 +46,41 @@ else
   local fields = {}
   for i = 1, n do fields[2 * i - 1], fields[2 * i] = 'q' .. i, 'r' .. i end
   stored = redis.call('HMGET', key, unpack(fields))
+end
+
+if mode == '4' or mode == '5' then
+  local writes, ttl, changed = {}, 0, false
+  for i = 1, n do
+    local limit, wms = ARGV[5 + 2 * i] + 0, ARGV[6 + 2 * i] / 1000
+    local burst = ARGV[6 + 2 * n + i] + 0
+    local q = stored[2 * i - 1]
+    local d = 0
+    if q then
+      q = q + 0
+      if q >= tms then d = (q - tms) * limit + stored[2 * i] end
+    end
+    if cost > 0 and (mode == '4' or d > 0) then
+      changed = true
+      if mode == '4' then
+        d = math.min(d + cost * wms, 9007199254740992 - burst * wms, limit * 2251799813685)
+      else
+        d = math.max(d - cost * wms, 0)
+      end
+    end
+    local whole = idiv(d, limit)
+    local rest = d - whole * limit
+    writes[4 * i - 3], writes[4 * i - 2] = 'q' .. i, string.format('%d', tms + whole)
+    writes[4 * i - 1], writes[4 * i] = 'r' .. i, string.format('%d', rest)
+    stored[2 * i - 1], stored[2 * i] = tms + whole, rest
+    local reset = 0
+    if d > 0 then reset = tms * 1000 - now + whole * 1000 + idiv(rest * 1000 + limit - 1, limit) end
+    if reset > ttl then ttl = reset end
+  end
+  if changed then
+    redis.call('HSET', key, unpack(writes))
+    redis.call('PEXPIRE', key, string.format('%d', math.ceil(ttl / 1000) + ARGV[5]))
+  end
+  cost = 1
 end
 
 -- Per rate i, rates[4i - 3 .. 4i] = limit, W in ms, burst, and d = (TAT - t) * limit (0 when
@@ -103,4 +143,5 @@ if consume then
   end
   redis.call('PEXPIRE', key, string.format('%d', math.ceil(ttl / 1000) + ARGV[5]))
 end
+if consume and mode == '3' then reply[3 * n + 2] = now end  -- a reservation's stamp
 return reply

@@ -45,7 +45,40 @@
 -- deliberate difference (also in the reference's docstring) changes neither: here the newest
 -- READ entries answer when they can, the rest of the list is searched only when they cannot,
 -- and a shorter window's count stops at limit + 1; the reference bisects every window.
--- now, cost, peek, n and key come from _prelude.lua.
+--
+-- Settling a reservation writes first, then replies as a peek of cost 1. A refund (mode 5)
+-- removes cost entries of the reservation's time, ARGV[4] (those still in the log: entries of
+-- one time are alike, and the ones that left every window count no more). A charge (mode 4)
+-- appends min(cost, the largest limit) entries at max(now, the newest entry), past the limit:
+-- that many entries of one time fill every window until they leave, so more would change no
+-- reply, whatever is refunded later (a refund takes back at most what was admitted, which
+-- never exceeded the limit).
+-- now, cost, mode, peek, n and key come from _prelude.lua.
+
+if mode == '5' and cost > 0 then
+  redis.call('LREM', key, string.format('%d', cost), ARGV[4])
+elseif mode == '4' and cost > 0 then
+  local most, maxwindow = 0, 0
+  for i = 1, n do
+    local limit, window = ARGV[5 + 2 * i] + 0, ARGV[6 + 2 * i] + 0
+    if limit > most then most = limit end
+    if window > maxwindow then maxwindow = window end
+  end
+  local newest = redis.call('LINDEX', key, '-1')
+  local stamp = now
+  if newest and newest + 0 > now then stamp = newest + 0 end
+  local at = string.format('%d', stamp)
+  local batch = {}
+  for j = 1, math.min(cost, most, 1000) do batch[j] = at end
+  local left = math.min(cost, most)
+  while left > 0 do
+    local k = math.min(left, 1000)
+    redis.call('RPUSH', key, unpack(batch, 1, k))
+    left = left - k
+  end
+  redis.call('PEXPIRE', key, string.format('%d', math.ceil((stamp - now + maxwindow) / 1000) + ARGV[5]))
+end
+if mode == '4' or mode == '5' then cost = 1 end
 
 local READ, FROM = 2, '-2'  -- the newest READ entries: indexes FROM to -1
 local got = redis.call('LRANGE', key, FROM, '-1')
@@ -199,5 +232,6 @@ if consume then
   -- The log lives until its newest entry has left the longest window, plus the margin.
   local ttl = math.ceil((last - now + maxwindow) / 1000) + ARGV[5]
   redis.call('PEXPIRE', key, string.format('%d', ttl))
+  if mode == '3' then reply[3 * n + 2] = last end  -- a reservation's stamp: its entries' time
 end
 return reply

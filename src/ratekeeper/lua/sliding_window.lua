@@ -10,7 +10,7 @@
 -- The estimate at elapsed time e (ms) into the current window of W ms is
 --     used = prev * (W - e) / W + curr
 -- and a cost c fits when used + c <= limit. All arithmetic is on integers below 2^53 (the
--- policy checks limit * W_ms <= 2^53), in milliseconds, so Lua and Python agree exactly:
+-- policy checks limit * W_ms <= 2^52, so twice the limit fits too), in milliseconds, so Lua and Python agree exactly:
 -- a cost fits when prev * (W - e) <= (limit - curr - c) * W.
 --
 -- Returns {allowed, remaining_1, reset_1, retry_1, ...}; times in microseconds; retry -1 = fits,
@@ -28,13 +28,67 @@
 --   * Only this policy's fields are read (HMGET); the reference reads the whole hash.
 --   * W in ms is window / 1000 here (a double) and window // 1000 there: the same, because a
 --     window is always a whole number of milliseconds (Rate.period_us).
--- now, server_clock, cost, peek, n and key come from _prelude.lua.
+--
+-- Settling a reservation (mode 4 charges cost in the current window, past the limit, up to
+-- floor(2^53 / W_ms) - limit, where every product stays exact; mode 5 refunds cost from the
+-- window the reservation at ARGV[4] was counted in, the current or the previous one) writes
+-- first, then replies as a peek of cost 1.
+-- now, server_clock, cost, mode, peek, n and key come from _prelude.lua.
 
 -- floor(a / b) for integers, exact where a / b in doubles might round across an integer.
 local function idiv(a, b)
   local q = math.floor(a / b)
   if q * b > a then q = q - 1 elseif (q + 1) * b <= a then q = q + 1 end
   return q
+end
+
+if mode == '4' or mode == '5' then
+  local fields = {}
+  for i = 1, n do
+    fields[3 * i - 2], fields[3 * i - 1], fields[3 * i] = 'w' .. i, 'c' .. i, 'p' .. i
+  end
+  local got = redis.call('HMGET', key, unpack(fields))
+  local at = 0
+  if mode == '5' then at = ARGV[4] + 0 end
+  local writes, expire_at, changed = {}, 0, false
+  for i = 1, n do
+    local limit, window = ARGV[5 + 2 * i] + 0, ARGV[6 + 2 * i] + 0
+    local start = now - (now % window)
+    local w = got[3 * i - 2]
+    if w then w = w + 0 end
+    local curr, prev = 0, 0
+    if w == start then
+      curr, prev = got[3 * i - 1] + 0, got[3 * i] + 0
+    elseif w == start - window then
+      prev = got[3 * i - 1] + 0
+    end
+    if cost > 0 then
+      local from = at - at % window
+      if mode == '4' then
+        -- floor(2^53 / W_ms), exactly: half of it, doubled, plus what the halves' remainders add.
+        local wms = window / 1000
+        local half = idiv(4503599627370496, wms)
+        local most = 2 * half - limit
+        if 2 * (4503599627370496 - half * wms) >= wms then most = most + 1 end
+        curr, changed = math.min(curr + cost, most), true
+      elseif from == start then
+        curr, changed = math.max(curr - cost, 0), true
+      elseif from == start - window then
+        prev, changed = math.max(prev - cost, 0), true
+      end
+    end
+    local k = 6 * i
+    writes[k - 5], writes[k - 4] = 'w' .. i, string.format('%d', start)
+    writes[k - 3], writes[k - 2] = 'c' .. i, string.format('%d', curr)
+    writes[k - 1], writes[k] = 'p' .. i, string.format('%d', prev)
+    if start + 2 * window > expire_at then expire_at = start + 2 * window end
+  end
+  if changed then
+    redis.call('HSET', key, unpack(writes))
+    local ttl = math.ceil((expire_at - now) / 1000) + ARGV[5]
+    redis.call('PEXPIRE', key, string.format('%d', ttl))
+  end
+  cost = 1
 end
 
 local stored
@@ -140,4 +194,5 @@ if consume then
     redis.call('PEXPIRE', key, string.format('%d', ttl))
   end
 end
+if consume and mode == '3' then reply[3 * n + 2] = now end  -- a reservation's stamp
 return reply
