@@ -446,9 +446,11 @@ def test_middleware_rules_with_deduct_when_and_an_application_policy():
         fine = [middleware(get("/other", **key)) for _ in range(4)]
         assert [r.status_code for r in fine] == [200, 200, 200, 429]
         assert json.loads(fine[3].content)["policy"] == "app-wide"
-        health = middleware(get("/health", **key))  # exempt: untouched
+        exempt = get("/health", **key)
+        health = middleware(exempt)  # exempt: untouched
         assert health.status_code == 200
         assert not health.has_header("RateLimit")
+        assert exempt.ratekeeper == ()  # nothing charged, as on ASGI and WSGI
 
 
 # --- the middleware and a decorated view on one request ---------------------------------------

@@ -64,10 +64,10 @@ Handler = Callable[[HttpRequest], Any]
 
 
 def _record(request: HttpRequest, decisions: tuple[Decision, ...]) -> None:
-    """Add ``decisions`` to ``request.ratekeeper`` (the middleware's, then a decorator's)."""
-    if decisions:
-        previous: tuple[Decision, ...] = getattr(request, "ratekeeper", ())
-        request.ratekeeper = (*previous, *decisions)
+    """Add ``decisions`` to ``request.ratekeeper`` (the middleware's, then a decorator's);
+    an empty tuple when nothing was charged, as on ASGI and WSGI."""
+    previous: tuple[Decision, ...] = getattr(request, "ratekeeper", ())
+    request.ratekeeper = (*previous, *decisions)
 
 
 def _state(request: HttpRequest) -> MutableMapping[str, Any]:
@@ -111,12 +111,13 @@ def _run_sync(
     """Admit the request, run ``handler`` unless blocked, settle outcome-counted charges."""
     admission = drive_sync(limiting.admit(request_view(request)), limiter)
     if admission is None:
+        _record(request, ())
         return handler()
     if admission.blocked:
         return _blocked(request, admission)
     before = admission.decisions
     _record(request, before)
-    response = handler()
+    response = handler()  # Django turns a view's exception into a response before this
     headers = admission.headers
     if admission.deferred:
         headers = drive_sync(limiting.settle(admission, response.status_code), limiter)
@@ -146,6 +147,7 @@ async def _run_async(
 
     admission = await drive(limiting.admit(request_view(request)))
     if admission is None:
+        _record(request, ())
         return await handler()
     if admission.blocked:
         return _blocked(request, admission)
