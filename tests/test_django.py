@@ -667,3 +667,22 @@ def test_disabled_makes_no_store_call(private_server: RedisServer):
     assert {r.status_code for r in replies} == {200, 429}
     # Every admission was decided by the store (a denial may come from the local deny cache).
     assert enabled_calls >= sum(r.status_code == 200 for r in replies) > 0
+
+
+def test_the_decorator_counts_on_the_outcome() -> None:
+    """``deduct_when`` on the decorator: only failed logins count, a success gives its
+    reservation back, and once 3 have failed the view no longer runs."""
+    ran: list[int] = []
+
+    @ratelimit("3/minute", key="header:x-api-key", deduct_when=lambda status: status == 401)
+    def login(request: HttpRequest) -> HttpResponse:
+        ok = request.headers.get("x-password") == "right"
+        ran.append(200 if ok else 401)
+        return HttpResponse(status=200 if ok else 401)
+
+    key = {"HTTP_X_API_KEY": "outcome"}
+    right = [login(get("/login", "POST", HTTP_X_PASSWORD="right", **key)) for _ in range(5)]
+    assert [r.status_code for r in right] == [200] * 5  # none counted
+    wrong = [login(get("/login", "POST", **key)) for _ in range(5)]
+    assert [r.status_code for r in wrong] == [401, 401, 401, 429, 429]
+    assert ran == [200] * 5 + [401] * 3

@@ -393,6 +393,34 @@ def test_flask_limit_decorator(backend: str, key_prefix: str):
     assert all(r.status_code == 200 and "RateLimit" not in r.headers for r in free_ones)
 
 
+def test_flask_limit_counts_on_the_outcome(backend: str, key_prefix: str):
+    """``deduct_when`` on flask_limit: a success gives its reservation back, a failure (and a
+    view that raises: a 500) keeps it; once 3 count, the view no longer runs."""
+    login = Policy("flask-login", "3/minute")
+    ran: list[str] = []
+    with Limiter.from_url(backend, **exact_options(backend, key_prefix)) as limiter:
+        app = flask.Flask("ratekeeper-outcome")
+
+        @app.post("/login")
+        @flask_limit(limiter, login, deduct_when=lambda status: status >= 400)
+        def do_login() -> Any:
+            password = flask.request.headers.get("x-password")
+            ran.append(password or "")
+            if password == "boom":
+                raise RuntimeError("the view failed")
+            return ({"ok": True}, 200) if password == "right" else ({"ok": False}, 401)
+
+        with app.test_client() as client:
+            right = [client.post("/login", headers={"X-Password": "right"}) for _ in range(4)]
+            boom = client.post("/login", headers={"X-Password": "boom"})
+            wrong = [client.post("/login", headers={"X-Password": "wrong"}) for _ in range(3)]
+    assert [r.status_code for r in right] == [200] * 4
+    assert right[-1].headers["RateLimit"] == '"flask-login";r=3;t=0'
+    assert boom.status_code == 500
+    assert [r.status_code for r in wrong] == [401, 401, 429]
+    assert ran == ["right"] * 4 + ["boom"] + ["wrong"] * 2
+
+
 def test_flask_limit_cost_legacy_and_a_missing_identity():
     with Limiter.from_url("memory://") as limiter:
         app = flask.Flask("ratekeeper-decorator-2")

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 from ._http import (
     STATE_KEY,
     Admission,
+    DeductWhen,
     PolicyChoice,
     Rule,
     add_charged,
@@ -140,7 +141,11 @@ class RateLimitMiddleware(Middleware[WSGIApp, Limiter]):
 
 
 def flask_limit(
-    limiter: Limiter, policy: PolicyChoice, **options: Unpack[EndpointOptions]
+    limiter: Limiter,
+    policy: PolicyChoice,
+    *,
+    deduct_when: DeductWhen | None = None,
+    **options: Unpack[EndpointOptions],
 ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """A Flask view decorator that limits one endpoint (``pip install flask``; async views
     need ``flask[async]``).
@@ -154,15 +159,23 @@ def flask_limit(
     as the middleware does: 429 with problem+json. ``policy``, ``key`` and ``cost`` may be
     plain functions of the request view; the other options (``legacy_headers``, ``denied``,
     ``missing_identity``, ``preflight``, ``enabled``) are those of the middleware
-    (``missing_identity="reject"`` answers 400 with problem+json). The decisions charged are
-    in ``flask.request.environ["ratekeeper"]``.
+    (``missing_identity="reject"`` answers 400 with problem+json). ``deduct_when``: a function
+    of the response's status; the cost is reserved before the view runs and kept only when it
+    returns true (an exception in the view counts as 500), as a rule's does. The decisions
+    charged are in ``flask.request.environ["ratekeeper"]``.
     """
     import functools
 
     import flask
 
     limiting = endpoint_limiting(
-        "flask_limit", limiter, Limiter, policy, options, asynchronous=False
+        "flask_limit",
+        limiter,
+        Limiter,
+        policy,
+        options,
+        asynchronous=False,
+        deduct_when=deduct_when,
     )
 
     def admit() -> Admission | None:
@@ -177,15 +190,21 @@ def flask_limit(
     def respond(admission: Admission | None, result: Any) -> Any:
         response = flask.make_response(result)
         if admission is not None:
+            decisions, ours = admission.decisions, admission.headers
+            if admission.deferred:
+                ours = drive_sync(limiting.settle(admission, response.status_code), limiter)
+                decisions = admission.shown
             headers = shown_headers(
-                flask.request.environ,
-                admission.decisions,
-                admission.headers,
-                legacy=limiting.legacy_headers,
+                flask.request.environ, decisions, ours, legacy=limiting.legacy_headers
             )
             for name, value in headers or ():
                 response.headers[name] = value
         return response
+
+    def failed(admission: Admission | None) -> None:
+        """The view raised: its outcome counts as a 500."""
+        if admission is not None and admission.deferred:
+            drive_sync(limiting.settle(admission, 500), limiter)
 
     def refused(admission: Admission) -> Any:
         assert admission.response is not None
@@ -201,7 +220,12 @@ def flask_limit(
                 admission = admit()
                 if admission is not None and admission.response is not None:
                     return refused(admission)
-                return respond(admission, await view(*args, **kwargs))
+                try:
+                    result = await view(*args, **kwargs)
+                except Exception:
+                    failed(admission)
+                    raise
+                return respond(admission, result)
 
             return async_wrapper
 
@@ -210,7 +234,12 @@ def flask_limit(
             admission = admit()
             if admission is not None and admission.response is not None:
                 return refused(admission)
-            return respond(admission, view(*args, **kwargs))
+            try:
+                result = view(*args, **kwargs)
+            except Exception:
+                failed(admission)
+                raise
+            return respond(admission, result)
 
         return wrapper
 

@@ -20,6 +20,7 @@ from .._errors import ConfigError
 from .._policy import Policy
 from ._base import (
     CostChoice,
+    DeductWhen,
     DeniedResponse,
     KeyChoice,
     MissingIdentity,
@@ -114,6 +115,7 @@ def endpoint_limiting(
     options: EndpointOptions,
     *,
     asynchronous: bool,
+    deduct_when: DeductWhen | None = None,
 ) -> Limiting:
     """The ``Limiting`` of one endpoint charged to ``policy``, for ``where`` (the decorator or
     dependency, named in errors), which drives a limiter of the class ``drives``; on
@@ -128,7 +130,9 @@ def endpoint_limiting(
     if policy is None:
         raise ConfigError(f"{where} needs a policy, or a callable returning one")
     rest: dict[str, Any] = dict(options)
-    rule = Rule("*", policy, key=rest.pop("key", None), cost=rest.pop("cost", 1))
+    rule = Rule(
+        "*", policy, key=rest.pop("key", None), cost=rest.pop("cost", 1), deduct_when=deduct_when
+    )
     limiting = Limiting(rules=[rule], **rest, asynchronous=asynchronous)
     if limiting.enabled:
         warn_memory_under_workers(limiter, f"{where}'s limiter")  # type: ignore[arg-type]

@@ -244,6 +244,7 @@ def ratelimit(
     cost: int | Callable[[HttpRequest], Any] = 1,
     methods: Iterable[str] | None = None,
     shadow: bool = False,
+    deduct_when: Callable[[int], bool] | None = None,
 ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Limits one view, sync or async (``async def`` views run on the ``AsyncLimiter``).
 
@@ -262,8 +263,11 @@ def ratelimit(
     callable of the HttpRequest returning the identity (or None), or its dotted path; default:
     the settings' ``KEY``. A request with no identity is handled by ``MISSING_IDENTITY``.
     ``methods``: the methods charged (a rule naming GET also charges HEAD); others pass
-    uncharged. ``shadow``: decide and send headers, never block. Denied: 429 with problem+json
-    and the RateLimit headers, before the view runs. ``ENABLED = False`` turns it off.
+    uncharged. ``shadow``: decide and send headers, never block. ``deduct_when``: a function
+    of the response's status; the cost is reserved before the view runs and kept only when it
+    returns true (``lambda status: status == 401`` counts failed logins), as a rule's does.
+    Denied: 429 with problem+json and the RateLimit headers, before the view runs.
+    ``ENABLED = False`` turns it off.
     """
 
     def decorate(view: Callable[..., Any]) -> Callable[..., Any]:
@@ -274,7 +278,9 @@ def ratelimit(
 
         def rule(rule_key: Any) -> Rule:
             charged = on_django_request(cost) if callable(cost) else cost
-            return Rule("*", chosen, methods=given, key=rule_key, cost=charged)
+            return Rule(
+                "*", chosen, methods=given, key=rule_key, cost=charged, deduct_when=deduct_when
+            )
 
         try:
             # Bad arguments fail at import, not at the first request.
