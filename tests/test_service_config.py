@@ -602,6 +602,46 @@ MISTAKES = [
         "unit_multiplier must be between 1 and 1000000, got 0",
         id="unit-multiplier-zero",
     ),
+    pytest.param(
+        """
+        domain: d
+        descriptors:
+          - key: k
+            rate_limit:
+              unit: second
+              requests_per_unit: 1
+              charge_over_limit: yes please
+        """,
+        (7, 26),
+        "charge_over_limit must be true or false, got 'yes please'",
+        id="charge-over-limit-not-a-flag",
+    ),
+    pytest.param(
+        """
+        domain: d
+        descriptors:
+          - key: k
+            rate_limit:
+              unit: second
+              requests_per_unit: 0
+              charge_over_limit: true
+        """,
+        (7, 7),
+        "requests_per_unit: 0 denies every request: charge_over_limit does not apply",
+        id="charge-over-limit-deny-all",
+    ),
+    pytest.param(
+        """
+        domain: d
+        descriptors:
+          - key: k
+            charge_over_limit: true
+            rate_limit: {unit: second, requests_per_unit: 1}
+        """,
+        (4, 5),
+        "'charge_over_limit' belongs in rate_limit",
+        id="charge-over-limit-misplaced",
+    ),
 ]
 
 
@@ -773,6 +813,7 @@ EXTENSIONS = [
     pytest.param("algorithm: sliding_window", (7, 7), "algorithm", id="algorithm"),
     pytest.param("algorithm: gcra\n      burst: 20", (8, 7), "burst", id="burst"),
     pytest.param("unit_multiplier: 15", (7, 7), "unit_multiplier", id="unit_multiplier"),
+    pytest.param("charge_over_limit: true", (7, 7), "charge_over_limit", id="charge_over_limit"),
 ]
 
 
@@ -1134,6 +1175,8 @@ def test_extensions_build_the_policy(tmp_path: Path) -> None:
               requests_per_unit: 100
           - key: plain
             rate_limit: {unit: second, requests_per_unit: 3}
+          - key: streamed
+            rate_limit: {unit: minute, requests_per_unit: 100, charge_over_limit: true}
         """,
     )
     user = rule(config, "d", ("user", "ann"))
@@ -1161,6 +1204,18 @@ def test_extensions_build_the_policy(tmp_path: Path) -> None:
     assert plain is not None
     assert plain.policy is not None
     assert plain.policy.algorithm == "fixed_window"  # upstream's algorithm by default
+    assert not plain.charge_over_limit
+    streamed = rule(config, "d", ("streamed", "x"))
+    assert streamed is not None
+    assert streamed.charge_over_limit
+    # an override of its limit is charged the same way, on the same counter
+    (overridden,) = config.resolve("d", [[("streamed", "x")]], overrides=[(7, "MINUTE")])
+    assert overridden is not None
+    assert overridden.charge_over_limit
+    shown = config.to_dict()["domains"][0]["descriptors"]
+    assert [d["rate_limit"].get("charge_over_limit") for d in shown] == [
+        None, None, None, None, True
+    ]  # fmt: skip
 
 
 # --- policy names and identities ---------------------------------------------------------

@@ -18,6 +18,12 @@ from ._options import STORAGE_ENV, STORAGE_HELP, is_memory, option
 _FAILURE_MODES = ("raise", "open", "closed", "local")
 
 
+def _check_key(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    if value is not None and len(value) < 16:
+        raise click.BadParameter("give at least 16 characters (e.g. openssl rand -hex 32)")
+    return value
+
+
 @main.command(epilog="Exit status: 0 stopped (or the files are valid), 1 invalid files "
               "(--check), 2 bad usage or configuration.")  # fmt: skip
 @option(
@@ -105,6 +111,24 @@ _FAILURE_MODES = ("raise", "open", "closed", "local")
     show_default=True,
     help="Seconds between looks at the configuration files (changes, symlink swaps).",
 )
+@option(
+    "--reservation-key",
+    env="RATEKEEPER_SERVE_RESERVATION_KEY",
+    metavar="SECRET",
+    default=None,
+    callback=_check_key,
+    help="Signs the reservation tokens of POST /reserve (HMAC-SHA256), at least 16 characters; "
+    "replicas that settle each other's tokens need the same one. Prefer the variable (a flag "
+    "shows in ps)  [default: random, shared by --workers]",
+)
+@option(
+    "--reservation-ttl",
+    env="RATEKEEPER_SERVE_RESERVATION_TTL",
+    type=click.FloatRange(1, 86400),
+    default=600,
+    show_default=True,
+    help="Seconds within which a reservation token may be settled.",
+)
 def serve(
     config: str | None,
     check: str | None,
@@ -119,10 +143,12 @@ def serve(
     key_prefix: str,
     response_headers: bool,
     reload_interval: float,
+    reservation_key: str | None,
+    reservation_ttl: float,
 ) -> None:
     """Serve rate limit decisions: Envoy's rate limit service (gRPC
     envoy.service.ratelimit.v3.RateLimitService/ShouldRateLimit, and the gRPC health service)
-    and HTTP (POST /json, GET /healthcheck, /metrics, /rlconfig), configured by
+    and HTTP (POST /json, /reserve, /settle, GET /healthcheck, /metrics, /rlconfig), configured by
     envoyproxy/ratelimit's YAML. Needs pip install 'ratekeeper[server]'.
 
     The configuration reloads when its files change (a Kubernetes ConfigMap's symlink swap
@@ -171,6 +197,8 @@ def serve(
         response_headers=response_headers,
         reload_interval=reload_interval,
         portable=portable,
+        reservation_key=reservation_key,
+        reservation_ttl=reservation_ttl,
     )
     try:
         status = run_server(options)

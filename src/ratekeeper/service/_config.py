@@ -13,8 +13,9 @@ lookup rules: at each level the exact value first, then the wildcard values (``*
 run of characters, anywhere in the value) in file order, then the key alone; a limit applies
 only where the request's last entry lands. Extensions, refused with ``portable=True`` so that a
 file stays loadable by envoyproxy/ratelimit, go in ``rate_limit``: ``algorithm`` (default
-``fixed_window``, as upstream), ``burst``, ``unit_multiplier`` (a window of several units) and
-``limits`` (several limits on one descriptor, checked all-or-nothing).
+``fixed_window``, as upstream), ``burst``, ``unit_multiplier`` (a window of several units),
+``limits`` (several limits on one descriptor, checked all-or-nothing) and ``charge_over_limit``
+(hits charged whatever the limit: costs reported once the work is done).
 
 Where this loader is stricter than upstream, on purpose (each is a silent mistake there): a key
 in the wrong place (upstream accepts any known key anywhere and ignores it), a mapping key
@@ -127,6 +128,9 @@ class LimitRule:
     domain: str = ""
     #: Every limit as written: (requests_per_unit, unit, unit_multiplier), in file order.
     limits: tuple[tuple[int, str, int], ...] = ()
+    #: ``charge_over_limit``: a hit is charged whatever the limit (``AsyncLimiter.charge``), for
+    #: costs known once the work is done (Envoy's ``apply_on_stream_done``).
+    charge_over_limit: bool = False
     #: Per level of the rule's path: (key, value as written or None, value_to_metric).
     metric_path: tuple[tuple[str, str | None, bool], ...] = field(default=(), repr=False)
     #: The descriptor's ``metadata`` mapping (upstream's dynamic metadata), if any.
@@ -347,6 +351,8 @@ def _dump(level: Level) -> dict[str, Any]:
                 ]
                 if rule.policy.burst is not None:
                     limit["burst"] = rule.policy.burst
+                if rule.charge_over_limit:
+                    limit["charge_over_limit"] = True
                 limit["policy"] = rule.policy.name
         limit["replaces"] = list(rule.replaces)
         limit["stat_key"] = rule.stat_key
@@ -391,7 +397,8 @@ def override_rule(
     """The rule of a descriptor that carries its own ``limit`` (Envoy's override).
 
     As upstream, the override replaces the configured limit: no name, no ``replaces``, no
-    shadow mode. Its counter follows upstream's cache key (the domain, the entries and the
+    shadow mode; a base rule's ``charge_over_limit`` still applies (the same counter, charged
+    the same way). Its counter follows upstream's cache key (the domain, the entries and the
     window, so the unit, but not ``requests_per_unit``): with a configured rule ``base`` of
     one limit in the same unit, the override charges that rule's counter; otherwise a counter
     of its own per unit (and per base rule), which any ``requests_per_unit`` shares. It uses
@@ -431,6 +438,7 @@ def override_rule(
         stat_key=_descriptor_key(domain, entries),
         domain=domain,
         limits=((requests_per_unit, unit_name, 1),),
+        charge_over_limit=base is not None and base.charge_over_limit,
     )
 
 

@@ -6,25 +6,40 @@ response. The gRPC and the HTTP JSON front ends only translate bytes to and from
 As in envoyproxy/ratelimit, every descriptor of a request is decided, and counted, even when
 another one is over its limit: the answer is OVER_LIMIT if any descriptor is. ratekeeper never
 writes a denial, so a descriptor over its limit is not charged (upstream counts it too); one
-within its limit is charged although the request as a whole is refused.
+within its limit is charged although the request as a whole is refused. A rule with
+``charge_over_limit`` is charged its hits whatever the limit (``AsyncLimiter.charge``).
+
+Reservations (HTTP ``/reserve`` and ``/settle``): :meth:`Decider.reserve` decides a request as
+:meth:`Decider.should_rate_limit` does, reserving each descriptor's hits instead, and hands
+back a token (``_tokens``) per reservation held; a request refused as a whole holds nothing (the
+reservations it made are cancelled). :meth:`Decider.settle` reads a token, finds its rule in the
+configuration in force, marks the token used in the store (so a token settles once, whichever
+worker or replica gets it) and settles or cancels it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
+import secrets
 from collections.abc import Sequence
 
 from .._decision import Decision
 from .._errors import ConfigError, StorageError
 from .._http import response_headers
 from .._limiter import AsyncLimiter
+from .._policy import Policy
 from .._rates import MAX_INT, Rate
-from ._config import LimitRule, ServiceConfig, identity_of
+from .._reservation import AsyncReservation
+from ._config import LimitRule, ServiceConfig, identity_of, rule_policy_name
 from ._metrics import ServiceMetrics
+from ._tokens import TokenRefused, Tokens
 from .rls_pb2 import HeaderValue, RateLimitDescriptor, RateLimitRequest, RateLimitResponse
 
 __all__ = ["UNLIMITED_REMAINING", "BadRequest", "Decider"]
+
+log = logging.getLogger("ratekeeper.service")
 
 #: ``limit_remaining`` of an unlimited descriptor, as upstream answers (the largest uint32).
 UNLIMITED_REMAINING = 2**32 - 1
@@ -38,6 +53,9 @@ _RateLimit = RateLimitResponse.RateLimit
 _OverrideUnit = RateLimitDescriptor.RateLimitUnit
 #: Unit name -> the response's enum value (``Unit.Value`` is a Python-level lookup).
 _UNITS = dict(RateLimitResponse.RateLimit.Unit.items())
+#: How long after its token's lifetime a settled token stays marked in the store: room for the
+#: clocks of the replicas to differ.
+_CLOCK_SKEW = 60
 
 
 class BadRequest(ValueError):
@@ -48,7 +66,7 @@ class BadRequest(ValueError):
 class _Job:
     """One descriptor to decide on the store."""
 
-    __slots__ = ("entries", "hits", "identity", "index", "own", "rule")
+    __slots__ = ("entries", "hits", "identity", "index", "override", "own", "reservation", "rule")
 
     def __init__(self, index: int, rule: LimitRule, identity: str, hits: int, own: bool) -> None:
         self.index = index
@@ -57,6 +75,8 @@ class _Job:
         self.hits = hits  # 0: a peek
         self.own = own  # a rule of the configuration, not a request's override
         self.entries: list[tuple[str, str]] = []
+        self.override: tuple[int, str] | None = None
+        self.reservation: AsyncReservation | None = None  # one held, when reserving
 
 
 def _entries(descriptor: RateLimitDescriptor) -> list[tuple[str, str]]:
@@ -115,7 +135,8 @@ class Decider:
     ``config`` may be replaced at any time (a reload): a call reads it once, at its start, so a
     request in flight finishes under the configuration it began with. ``response_headers``
     adds the IETF ``RateLimit`` and ``RateLimit-Policy`` fields (and ``Retry-After`` on a
-    denial) to ``response_headers_to_add``.
+    denial) to ``response_headers_to_add``. ``tokens`` signs and reads reservation tokens (by
+    default under a random key: only this Decider can read them).
     """
 
     def __init__(
@@ -125,11 +146,19 @@ class Decider:
         *,
         metrics: ServiceMetrics | None = None,
         response_headers: bool = False,
+        tokens: Tokens | None = None,
     ) -> None:
         self.limiter = limiter
         self.config = config
         self.metrics = metrics
         self.response_headers = response_headers
+        self.tokens = tokens if tokens is not None else Tokens(secrets.token_bytes(32))
+        # A token's nonce is hit once under this policy: a second settle of it is denied.
+        self._settled = Policy(
+            rule_policy_name("s", "settled"),
+            Rate(1, round(self.tokens.ttl) + _CLOCK_SKEW),
+            "gcra",
+        )
         # id(rule) -> (rule, its current_limit message), for the configuration in force
         self._limits: dict[int, tuple[LimitRule, RateLimitResponse.RateLimit]] = {}
         self._limits_of: ServiceConfig | None = None
@@ -138,6 +167,96 @@ class Decider:
         """The response to ``request``. Raises :class:`BadRequest` for a request that cannot
         be decided and ``StorageError`` when the store failed and the failure mode is
         ``"raise"``."""
+        response, _ = await self._answer(request, reserving=False)
+        return response
+
+    async def reserve(self, request: RateLimitRequest) -> tuple[RateLimitResponse, dict[int, str]]:
+        """:meth:`should_rate_limit`, with each descriptor's hits reserved rather than hit: the
+        response and a token per descriptor (by its index) whose reservation is held. A request
+        refused as a whole (OVER_LIMIT) gets no token: the reservations it made are cancelled,
+        and their statuses tell what is left after that. A peek (hits_addend 0), a descriptor
+        without a limit and one that a failure mode admitted without the store reserve
+        nothing the store holds; the last still gets a token (settling it charges the actual
+        cost)."""
+        response, jobs = await self._answer(request, reserving=True)
+        if response.overall_code == _OVER_LIMIT:
+            await self._cancel(jobs, response)
+            return response, {}
+        tokens: dict[int, str] = {}
+        for job in jobs:
+            reservation, policy = job.reservation, job.rule.policy
+            if reservation is not None and policy is not None:
+                tokens[job.index] = self.tokens.issue(
+                    request.domain,
+                    job.entries,
+                    job.override,
+                    policy.name,
+                    job.hits,
+                    reservation.stamp,
+                )
+        return response, tokens
+
+    async def settle(self, token: str, actual: int | None) -> RateLimitResponse:
+        """Settle the reservation ``token`` holds for ``actual`` (None: cancel it); a response
+        with its descriptor's status as it stands after. Raises :class:`TokenRefused` for a
+        token that is malformed, forged, expired, settled already, or whose rule is no longer
+        configured (or now another rule), and ``StorageError`` as :meth:`should_rate_limit`.
+        A token is marked used before its settle is sent: when the store fails, it is not
+        settled twice."""
+        held = self.tokens.read(token)
+        entries = list(held.entries)
+        try:
+            (rule,) = self.config.resolve(
+                held.domain, [entries], overrides=None if held.limit is None else [held.limit]
+            )
+        except ConfigError:
+            rule = None
+        policy = None if rule is None else rule.policy
+        if rule is None or policy is None or policy.name != held.policy:
+            raise TokenRefused(
+                410,
+                f"the rule this reservation was made under (domain {held.domain!r}) is no longer "
+                "in the configuration: its estimate stays counted",
+            )
+        marked = await self.limiter.hit(self._settled, held.nonce)
+        if not marked.allowed and not marked.degraded:
+            raise TokenRefused(409, "this reservation was settled or cancelled already")
+        identity = identity_of(held.domain, entries)
+        reservation = self.limiter.resume(policy, identity, held.estimate, held.stamp)
+        if actual is not None:
+            decision = await reservation.settle(actual)
+        else:
+            cancelled = await reservation.cancel()
+            # nothing to refund (a failure mode admitted it): where the descriptor stands
+            decision = cancelled or await self.limiter.peek(policy, identity, 1)
+        response = RateLimitResponse(overall_code=_OK)
+        job = _Job(0, rule, identity, 1, held.limit is None)
+        job.entries = entries
+        if self._status(held.domain, response.statuses.add(code=_OK), job, decision, False):
+            response.overall_code = _OVER_LIMIT
+        return response
+
+    async def _cancel(self, jobs: list[_Job], response: RateLimitResponse) -> None:
+        """Cancel the reservations of ``jobs`` (a request refused as a whole, or one that
+        failed); their statuses get what is left after. A cancel the store fails is logged:
+        its estimate stays counted until its window ends."""
+        held = [(job, job.reservation) for job in jobs if job.reservation is not None]
+        results = await asyncio.gather(
+            *(reservation.cancel() for _, reservation in held), return_exceptions=True
+        )
+        for (job, _), result in zip(held, results, strict=True):
+            if isinstance(result, StorageError):
+                log.warning("could not cancel a reservation of a refused request: %s", result)
+            elif isinstance(result, BaseException):
+                raise result
+            elif result is not None and not result.degraded:
+                response.statuses[job.index].limit_remaining = max(0, result.remaining)
+
+    async def _answer(
+        self, request: RateLimitRequest, *, reserving: bool
+    ) -> tuple[RateLimitResponse, list[_Job]]:
+        """The response to ``request`` and the jobs the store decided; with ``reserving``,
+        each job holds its reservation, when admitted (all cancelled when the store failed)."""
         config = self.config
         if config is not self._limits_of:  # a reload: the cached current_limits are its
             self._limits = {}
@@ -163,11 +282,16 @@ class Decider:
         statuses = [add(code=_OK) for _ in descriptors]
         jobs = self._jobs(request, descriptors, entries, overrides, rules, response, statuses)
         if not jobs:
-            return response
-        if len(jobs) == 1:
-            decisions = [await self._decide(jobs[0])]
-        else:
-            decisions = await self._decide_all(jobs)
+            return response, jobs
+        try:
+            if len(jobs) == 1:
+                decisions = [await self._decide(jobs[0], reserving)]
+            else:
+                decisions = await self._decide_all(jobs, reserving)
+        except BaseException:
+            if reserving:  # nothing is held for a request that failed
+                await self._cancel(jobs, response)
+            raise
         for job, decision in zip(jobs, decisions, strict=True):
             if self._status(domain, statuses[job.index], job, decision):
                 response.overall_code = _OVER_LIMIT
@@ -177,7 +301,7 @@ class Decider:
                 response.response_headers_to_add.extend(
                     HeaderValue(key=name, value=value) for name, value in response_headers(headline)
                 )
-        return response
+        return response, jobs
 
     def _jobs(
         self,
@@ -199,7 +323,8 @@ class Decider:
             if rule.unlimited:
                 status.limit_remaining = UNLIMITED_REMAINING
                 continue
-            own = overrides is None or overrides[index] is None  # a rule of the configuration
+            override = None if overrides is None else overrides[index]
+            own = override is None  # a rule of the configuration
             if rule.policy is None:  # requests_per_unit 0: upstream denies every request
                 status.current_limit.CopyFrom(self._limit(rule, None, own))
                 if not rule.shadow_mode:
@@ -213,6 +338,7 @@ class Decider:
                 hits = request.hits_addend or 1
             job = _Job(index, rule, identity_of(domain, entries[index]), min(hits, MAX_INT), own)
             job.entries = entries[index]
+            job.override = override
             jobs.append(job)
         return jobs
 
@@ -232,10 +358,12 @@ class Decider:
         status: RateLimitResponse.DescriptorStatus,
         job: _Job,
         decision: Decision,
+        counted: bool = True,
     ) -> bool:
         """Fill in one descriptor's status; True when it is over its limit. A peek (0 hits) is
         never over: it consumes nothing, as upstream's hits_addend 0 adds nothing. A degraded
-        decision's numbers are the failure mode's: only its code and wait are reported."""
+        decision's numbers are the failure mode's: only its code and wait are reported.
+        ``counted``: a decision of the request (not a settle's), for the metrics."""
         rule = job.rule
         status.current_limit.CopyFrom(self._limit(rule, decision.rate, job.own))
         over = not decision.allowed and job.hits > 0
@@ -249,11 +377,11 @@ class Decider:
             _seconds(status, decision.reset_after)
             if over and not rule.shadow_mode:
                 status.code = _OVER_LIMIT
-        if self.metrics is not None:
+        if counted and self.metrics is not None:
             self.metrics.decided(domain, rule.stat_key_for(job.entries), rule, decision, over)
         return status.code == _OVER_LIMIT
 
-    async def _decide_all(self, jobs: list[_Job]) -> list[Decision]:
+    async def _decide_all(self, jobs: list[_Job], reserving: bool) -> list[Decision]:
         """The jobs' decisions, asked at most ``_ROUND`` at a time: a request of thousands of
         descriptors goes to the store in bounded rounds, each as quick as a small request's,
         so it is never a slow call (which the breaker would hold against the store, and so
@@ -261,7 +389,7 @@ class Decider:
         decided: list[Decision] = []
         for start in range(0, len(jobs), _ROUND):
             results = await asyncio.gather(
-                *(self._decide(job) for job in jobs[start : start + _ROUND]),
+                *(self._decide(job, reserving) for job in jobs[start : start + _ROUND]),
                 return_exceptions=True,
             )
             for result in results:
@@ -270,13 +398,22 @@ class Decider:
                 decided.append(result)
         return decided
 
-    async def _decide(self, job: _Job) -> Decision:
+    async def _decide(self, job: _Job, reserving: bool) -> Decision:
         policy = job.rule.policy
         assert policy is not None  # unlimited rules are answered without the store
         try:
             if job.hits == 0:
                 # A peek (per-descriptor hits_addend 0): the state now, nothing consumed.
                 return await self.limiter.peek(policy, job.identity, 1)
+            if reserving:
+                reservation = await self.limiter.reserve(policy, job.identity, job.hits)
+                if reservation.held:
+                    job.reservation = reservation
+                return reservation.decision
+            if job.rule.charge_over_limit:
+                # Work done (Envoy's apply_on_stream_done): counted whatever the limit; the
+                # decision after it, for a next unit.
+                return await self.limiter.charge(policy, job.identity, job.hits)
             return await self.limiter.hit(policy, job.identity, job.hits)
         except StorageError:
             if self.metrics is not None:

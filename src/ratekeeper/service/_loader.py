@@ -58,7 +58,9 @@ _DESCRIPTOR_KEYS = frozenset(
     }
 )
 _RATE_LIMIT_KEYS = frozenset({"unit", "requests_per_unit", "unlimited", "name", "replaces"})
-_RATE_LIMIT_EXTENSIONS = frozenset({"algorithm", "burst", "unit_multiplier", "limits"})
+_RATE_LIMIT_EXTENSIONS = frozenset(
+    {"algorithm", "burst", "unit_multiplier", "limits", "charge_over_limit"}
+)
 _LIMIT_ITEM_KEYS = frozenset({"unit", "requests_per_unit", "unit_multiplier"})
 _REPLACES_KEYS = frozenset({"name"})
 # Where a key that is valid elsewhere belongs, for the error about a misplaced one.
@@ -403,7 +405,7 @@ class _FileLoader(Nodes):
 
         first_requests, first_unit, _ = limits[0][0]
         if first_requests == 0:
-            for other in ("algorithm", "burst"):
+            for other in ("algorithm", "burst", "charge_over_limit"):
                 if other in given:
                     raise self.error(
                         given[other][0],
@@ -430,6 +432,8 @@ class _FileLoader(Nodes):
             unit=first_unit,
             requests_per_unit=first_requests,
             limits=tuple(limit for limit, _ in limits),
+            charge_over_limit="charge_over_limit" in given
+            and self.flag(given["charge_over_limit"][1], "charge_over_limit"),
             **common,
         )
 

@@ -10,6 +10,10 @@ Workers share nothing but the store: each binds the ports with ``SO_REUSEPORT`` 
 ``grpc.so_reuseport`` option; a reuse-port socket handed to uvicorn), so the kernel spreads
 connections over them. With one worker, reuse-port is off, so a port another program holds
 is an error rather than a silent share.
+
+Reservation tokens (``/reserve``, ``/settle``) are signed with ``reservation_key``: when none is
+given, ``serve`` draws one before the workers start, so every worker reads the others' tokens
+(another replica needs the same key given to both).
 """
 
 from __future__ import annotations
@@ -19,11 +23,12 @@ import contextlib
 import logging
 import multiprocessing
 import os
+import secrets
 import signal
 import socket
 import sys
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from .._errors import ConfigError, StorageError
@@ -34,6 +39,7 @@ from ._decide import BadRequest, Decider
 from ._loader import load_config
 from ._metrics import ServiceMetrics
 from ._reload import ConfigWatcher
+from ._tokens import Tokens
 from ._web import ServiceApp
 from .rls_pb2 import RateLimitRequest, RateLimitResponse
 
@@ -66,6 +72,10 @@ class ServeOptions:
     reload_interval: float = 0.25
     grace: float = 5.0
     portable: bool = False
+    #: Signs reservation tokens; None: a random key (drawn once by ``serve`` for its workers).
+    reservation_key: str | None = field(default=None, repr=False)
+    #: Seconds a reservation token may be settled in.
+    reservation_ttl: float = 600.0
 
 
 def _reuse_port_socket(host: str, port: int, reuse_port: bool) -> socket.socket:
@@ -154,11 +164,13 @@ class Service:
             timeout=options.timeout,
             connect_timeout=options.timeout,
         )
+        key = options.reservation_key or secrets.token_urlsafe(32)
         self.decider = Decider(
             self.limiter,
             config,
             metrics=self.metrics,
             response_headers=options.response_headers,
+            tokens=Tokens(key.encode(), options.reservation_ttl),
         )
         self._app = ServiceApp(self.decider, self.metrics)
 
@@ -290,7 +302,9 @@ def _worker_main(options: ServeOptions) -> None:
 def serve(options: ServeOptions) -> int:
     """Run the server in this process (one worker) or in ``workers`` child processes; the
     exit status. The configuration is loaded once here first, so a bad file stops it before
-    any port is bound."""
+    any port is bound. Without a ``reservation_key``, one is drawn here, for every worker."""
+    if options.reservation_key is None:
+        options = replace(options, reservation_key=secrets.token_urlsafe(32))
     if options.workers == 1:
         _worker_main(options)
         return 0

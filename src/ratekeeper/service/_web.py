@@ -4,6 +4,13 @@
   ``RateLimitResponse`` in the same form and envoyproxy/ratelimit's status codes: 200 (OK),
   429 (OVER_LIMIT), 400 (a body that is not a request, or a request that cannot be decided),
   500 (an overall code of UNKNOWN); 503 when the store failed under ``failure_mode="raise"``
+* ``POST /reserve``: what ``/json`` takes and answers, each descriptor's hits reserved; a
+  descriptor whose reservation is held gets a ``reservation`` token in its status (none when
+  the request is refused as a whole: what it reserved is cancelled)
+* ``POST /settle``: ``{"reservation": token, "actual": N}`` or ``{"reservation": token,
+  "cancel": true}``, answered 200 with the response as ``/json`` shapes it (one status: where
+  the descriptor stands after); 400 malformed, 403 a token that does not verify, 409 settled
+  already, 410 expired or its rule gone; 503 as ``/json``
 * ``GET /healthcheck``: 200 ``OK`` while a configuration is loaded and the server is not
   shutting down, else 503
 * ``GET /metrics``: Prometheus exposition (see ``_metrics``)
@@ -20,9 +27,11 @@ from typing import Any
 from google.protobuf import json_format
 
 from .._errors import StorageError
+from .._rates import MAX_INT
 from ..asgi import answer_lifespan
 from ._decide import BadRequest, Decider
 from ._metrics import ServiceMetrics
+from ._tokens import TokenRefused
 from .rls_pb2 import RateLimitRequest, RateLimitResponse
 
 __all__ = ["MAX_BODY", "ServiceApp"]
@@ -38,6 +47,8 @@ MAX_BODY = 1 << 20
 
 _JSON = b"application/json"
 _TEXT = b"text/plain; charset=utf-8"
+#: The endpoints that take a JSON body by POST.
+_POSTS = ("/json", "/reserve", "/settle")
 
 
 async def _respond(send: Send, status: int, body: bytes, content_type: bytes = _TEXT) -> None:
@@ -70,7 +81,7 @@ class ServiceApp:
         if scope["type"] != "http":
             return
         path, method = scope["path"], scope["method"]
-        if path == "/json":
+        if path in _POSTS:
             if method != "POST":
                 await _respond(send, 405, b"use POST\n")
                 return
@@ -78,7 +89,7 @@ class ServiceApp:
             if body is None:
                 await _respond(send, 413, b"request body too large\n")
                 return
-            await self._json(send, body)
+            await self._post(send, path, body)
         elif path in ("/healthcheck", "/metrics", "/rlconfig"):
             if method not in ("GET", "HEAD"):
                 await _respond(send, 405, b"use GET\n")
@@ -112,23 +123,68 @@ class ServiceApp:
             if not message.get("more_body", False):
                 return b"".join(chunks)
 
-    async def _json(self, send: Send, body: bytes) -> None:
+    async def _post(self, send: Send, path: str, body: bytes) -> None:
+        """``/json``, ``/reserve`` or ``/settle``: decide, then answer the response in proto3
+        JSON with its status code, or an error as plain text."""
+        tokens: dict[int, str] | None = None
         try:
-            request = json_format.Parse(body, RateLimitRequest())
-        except (json_format.ParseError, UnicodeDecodeError) as exc:
-            await _respond(send, 400, f"bad request: {exc}\n".encode())
-            return
-        try:
-            response = await self.decider.should_rate_limit(request)
+            if path == "/settle":
+                response = await self.decider.settle(*_settle_request(body))
+            elif path == "/reserve":
+                response, tokens = await self.decider.reserve(_rate_limit_request(body))
+            else:
+                response = await self.decider.should_rate_limit(_rate_limit_request(body))
         except BadRequest as exc:
             await _respond(send, 400, f"bad request: {exc}\n".encode())
+            return
+        except TokenRefused as exc:
+            await _respond(send, exc.status, f"{exc}\n".encode())
             return
         except StorageError as exc:
             await _respond(send, 503, f"the store failed: {exc}\n".encode())
             return
-        text = json_format.MessageToJson(response, indent=None).encode()
+        data = json_format.MessageToDict(response)
+        for index, token in (tokens or {}).items():
+            data["statuses"][index]["reservation"] = token
+        text = json.dumps(data, ensure_ascii=False).encode()  # as json_format.MessageToJson
         code = response.overall_code
         status = 429 if code == RateLimitResponse.OVER_LIMIT else 200
         if code == RateLimitResponse.UNKNOWN:
             status = 500
+        if path == "/settle":
+            status = 200  # settled: the body says whether a next unit fits
         await _respond(send, status, text, _JSON)
+
+
+def _rate_limit_request(body: bytes) -> RateLimitRequest:
+    try:
+        return json_format.Parse(body, RateLimitRequest())
+    except (json_format.ParseError, UnicodeDecodeError) as exc:
+        raise BadRequest(str(exc)) from None
+
+
+def _settle_request(body: bytes) -> tuple[str, int | None]:
+    """``/settle``'s body: the token, and the actual cost (None: cancel)."""
+    try:
+        data = json.loads(body)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise BadRequest(f"not JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise BadRequest('expected an object: {"reservation": token, "actual": N}')
+    unknown = sorted(set(data) - {"reservation", "actual", "cancel"})
+    if unknown:
+        raise BadRequest(f"unknown field {unknown[0]!r}")
+    token = data.get("reservation")
+    if not isinstance(token, str) or not token:
+        raise BadRequest('"reservation" must be the token /reserve answered')
+    cancel = data.get("cancel", False)
+    if not isinstance(cancel, bool):
+        raise BadRequest('"cancel" must be true or false')
+    actual = data.get("actual")
+    if cancel == ("actual" in data):
+        raise BadRequest('give "actual" (the units used) or "cancel": true, not both')
+    if cancel:
+        return token, None
+    if isinstance(actual, bool) or not isinstance(actual, int) or not 0 <= actual <= MAX_INT:
+        raise BadRequest(f'"actual" must be a whole number from 0 to 2**53, got {actual!r}')
+    return token, actual
