@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
+from typing import Any
 
 import grpc
 
@@ -63,17 +64,22 @@ def test_round_trips_are_shared(
 
 
 def test_one_huge_request_cannot_degrade_another_callers_decisions(
-    tmp_path: Path, servers: dict[str, RedisServer]
+    tmp_path: Path, servers: dict[str, RedisServer], wire: Wire
 ) -> None:
-    """One request of 3,000 descriptors at the default 20 ms store timeout, then 50 small
-    requests from another client: every one of the 50 is decided by the store (no
-    UNAVAILABLE, no degraded decision, the breaker never left closed). The big request's
-    descriptors go to the store in bounded rounds, so none of its calls is slow either."""
+    """One request of 3,000 descriptors while another client sends 50 small requests: the big
+    request's descriptors go to the store in bounded rounds (no write carries more than
+    64 calls, so none is a slow call the breaker would hold against the store at the
+    default 20 ms timeout), and every one of the 50 is decided by the store (no UNAVAILABLE,
+    no degraded decision, the breaker never left closed).
+
+    The bound is checked on the wire, not by a 20 ms timeout here: on a loaded CI machine any
+    store can miss 20 ms now and then (a CI run failed so), which is the breaker's business,
+    not this request's."""
     config = write(tmp_path / "huge.yaml", CONFIG.replace("1000}", "100000}"))
     server = next(iter(servers.values()))
 
     async def main() -> None:
-        async with running(config, server.url, timeout=0.02) as service:
+        async with running(config, server.url) as service:
             assert service.limiter is not None
             breaker = service.limiter.breaker
             moves: list[tuple[object, object]] = []
@@ -91,23 +97,35 @@ def test_one_huge_request_cannot_degrade_another_callers_decisions(
                 grpc.aio.insecure_channel(f"127.0.0.1:{service.grpc_port}") as attacker,
                 grpc.aio.insecure_channel(f"127.0.0.1:{service.grpc_port}") as other,
             ):
-                await OURS.caller(other)(OURS.request("batch", [("user", "warm")]))
-                huge = OURS.request("batch", *[[("user", f"h{i}")] for i in range(3_000)])
-                answer = await OURS.caller(attacker)(huge)
-                assert len(answer.statuses) == 3_000
                 call = OURS.caller(other)
-                small = [await call(OURS.request("batch", [("user", f"s{i}")])) for i in range(50)]
-            ok = sum(s.overall_code == OURS.code("OK") for s in small)
+                await call(OURS.request("batch", [("user", "warm")]))
+                wire.clear()
+                huge = OURS.request("batch", *[[("user", f"h{i}")] for i in range(3_000)])
+
+                async def small() -> list[Any]:
+                    requests = [OURS.request("batch", [("user", f"s{i}")]) for i in range(50)]
+                    return [await call(request) for request in requests]
+
+                answer, answers = await asyncio.gather(OURS.caller(attacker)(huge), small())
+            assert len(answer.statuses) == 3_000
+            assert {s.limit_remaining for s in answer.statuses} == {99_999}
+            ok = sum(s.overall_code == OURS.code("OK") for s in answers)
+            largest = max(count for _, count in wire.sends)
             record(
                 "serve_huge_request",
                 descriptors_in_one_request=3_000,
-                small_requests_after=50,
+                small_requests_meanwhile=50,
                 small_decided_by_the_store=ok,
+                largest_write=largest,
                 degraded_decisions=len(degraded),
                 breaker_transitions=len(moves),
             )
-            assert [s.overall_code for s in small] == [OURS.code("OK")] * 50
-            assert [s.statuses[0].limit_remaining for s in small] == [99_999] * 50
+            assert wire.commands == 3_050
+            # a round's 64 calls at most (the batcher alone would send 256), and the small
+            # request that came meanwhile
+            assert largest <= 64 + 1
+            assert [s.overall_code for s in answers] == [OURS.code("OK")] * 50
+            assert [s.statuses[0].limit_remaining for s in answers] == [99_999] * 50
             assert degraded == []
             assert moves == []
 
