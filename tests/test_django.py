@@ -686,3 +686,23 @@ def test_the_decorator_counts_on_the_outcome() -> None:
     wrong = [login(get("/login", "POST", **key)) for _ in range(5)]
     assert [r.status_code for r in wrong] == [401, 401, 401, 429, 429]
     assert ran == [200] * 5 + [401] * 3
+
+
+@pytest.mark.parametrize(
+    ("arguments", "message"),
+    [
+        ({"key": "ip", "rate": "5/m"}, r"no rate= \(django-ratelimit's argument\): give the rates"),
+        ({"method": "POST"}, r"no method= .*methods=\{'POST'\}"),
+        ({"block": False}, r"no block= .*block=False is shadow=True"),
+        ({"group": "expensive"}, r"no group= .*the same Policy"),
+        ({"keyy": "ip"}, r"unexpected keyword argument 'keyy'"),
+    ],
+)
+def test_django_ratelimit_arguments_say_what_to_write_instead(
+    arguments: dict[str, Any], message: str
+) -> None:
+    policy = () if "rate" in arguments else ("5/m",)
+    with pytest.raises(TypeError, match=message):
+        ratelimit(*policy, **arguments)
+    with pytest.raises(TypeError, match=r"needs the rates or a Policy as its first argument"):
+        ratelimit(key="ip")

@@ -143,6 +143,28 @@ def test_failed_logins_in_parallel_reach_the_view_exactly_the_limit(served: Serv
             assert "x-worker-pid" not in r.headers
 
 
+@pytest.mark.parametrize("path", ["/tokens/sync", "/tokens/async"])
+def test_a_streamed_answer_is_charged_the_tokens_it_reports(served: Served, path: str):
+    """``@ratelimit(..., cost=200, reported_cost=True)`` on a view that streams its answer and
+    sets ``request.ratekeeper_cost = 700`` after its last chunk, on 1,000 tokens a minute:
+    charged 700, then 700 again (the estimate of 200 fits the 300 left), then refused with the
+    wait for the overrun; under gunicorn (WSGI) and uvicorn (ASGI), sync and async bodies."""
+    user = {"X-API-Key": f"tokens-{uuid.uuid4()}"}
+    replies = []
+    for _ in range(3):
+        reply = httpx.get(f"{served.url}{path}", headers=user, timeout=10)
+        replies.append(reply)
+    assert [r.status_code for r in replies] == [200, 200, 429]
+    assert [r.content for r in replies[:2]] == [b"tobeornot"] * 2
+    # The headers leave before the body, so they show the estimate: 1,000 - 200, then the
+    # 300 left after the first answer's 700, less the second's estimate.
+    assert replies[0].headers["ratelimit"] == '"dj-tokens";r=800;t=60'
+    assert replies[1].headers["ratelimit"].startswith('"dj-tokens";r=100;')
+    problem = replies[2].json()
+    assert problem["policy"] == "dj-tokens"
+    assert 0 < problem["retry_after"] <= 60
+
+
 def test_both_workers_serve_and_share_one_store(served: Served):
     pids = {r.headers["x-worker-pid"] for r in hammer(served.url, "/health", [{}] * 48)}
     assert pids == served.worker_pids

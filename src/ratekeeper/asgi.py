@@ -30,6 +30,7 @@ from ._http import (
     STATE_KEY,
     Admission,
     PolicyChoice,
+    ResponseView,
     Rule,
     add_charged,
     answered,
@@ -46,6 +47,7 @@ if TYPE_CHECKING:
 __all__ = [
     "RateLimitExceeded",
     "RateLimitMiddleware",
+    "ResponseView",
     "Rule",
     "fastapi_dependency",
     "rate_limit_exceeded_handler",
@@ -196,12 +198,15 @@ class RateLimitMiddleware(Middleware[ASGIApp, AsyncLimiter]):
             headers = await drive_async(self.limiting.settle(admission, status), self.limiter)
             return _encode(self.shown(state, admission.shown, headers))
 
-        reported = any(charge.reported for charge in admission.deferred)
+        reported = self.limiting.reports(admission)
+        start: Message = {}
 
         async def wrapped(message: Message) -> None:
+            nonlocal start
             kind = message["type"]
             if not settled:
                 if kind in ("http.response.start", "websocket.http.response.start"):
+                    start = message
                     ours = await settle(int(message["status"]))
                     message = {**message, "headers": _merge(message.get("headers", ()), ours)}
                 elif kind == "websocket.accept":
@@ -211,8 +216,16 @@ class RateLimitMiddleware(Middleware[ASGIApp, AsyncLimiter]):
             elif reported and kind == "http.response.body" and not message.get("more_body"):
                 # The last chunk: the cost the handler reported is settled before the client
                 # can see the end (and send its next request).
-                cost = state.get(COST_KEY)
-                await drive_async(self.limiting.finish(admission, cost), self.limiter)
+                response = ResponseView(
+                    int(start["status"]),
+                    {
+                        name.decode("latin-1").lower(): value.decode("latin-1")
+                        for name, value in start.get("headers", ())
+                    },
+                    state,
+                )
+                steps = self.limiting.finish(admission, response, state.get(COST_KEY))
+                await drive_async(steps, self.limiter)
             await send(message)
 
         try:

@@ -20,10 +20,15 @@ from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 from ._http import (
+    COST_KEY,
     STATE_KEY,
     Admission,
     DeductWhen,
+    LastChunk,
+    Limiting,
     PolicyChoice,
+    ReportedCost,
+    ResponseView,
     Rule,
     add_charged,
     answered,
@@ -38,7 +43,7 @@ from ._request import LazyHeaders, Request
 if TYPE_CHECKING:
     from typing_extensions import Unpack
 
-__all__ = ["RateLimitMiddleware", "Rule", "flask_limit", "request_from_environ"]
+__all__ = ["RateLimitMiddleware", "ResponseView", "Rule", "flask_limit", "request_from_environ"]
 
 StartResponse = Callable[..., Any]
 WSGIApp = Callable[[dict[str, Any], StartResponse], Iterable[bytes]]
@@ -110,8 +115,10 @@ class RateLimitMiddleware(Middleware[WSGIApp, Limiter]):
         self, admission: Admission, environ: dict[str, Any], start_response: StartResponse
     ) -> Iterable[bytes]:
         """Call the app, charging the ``deduct_when`` policies when it starts its response
-        (an exception before that: as a 500)."""
+        (an exception before that: as a 500), and settling ``reported_cost`` ones before the
+        body's last chunk is handed to the server."""
         settled = False
+        response = ResponseView(500, {}, environ)
 
         def settle(status: int) -> list[tuple[str, str]]:
             nonlocal settled
@@ -122,9 +129,14 @@ class RateLimitMiddleware(Middleware[WSGIApp, Limiter]):
             return headers
 
         def start(status: str, app_headers: list[tuple[str, str]], exc_info: Any = None) -> Any:
+            nonlocal response
             if not settled:
                 code = status.split(" ", 1)[0]
-                headers = settle(int(code) if code.isdigit() else 500)
+                number = int(code) if code.isdigit() else 500
+                response = ResponseView(
+                    number, {name.lower(): value for name, value in app_headers}, environ
+                )
+                headers = settle(number)
                 app_headers = merge_headers(
                     app_headers, self.shown(environ, admission.shown, headers)
                 )
@@ -133,11 +145,37 @@ class RateLimitMiddleware(Middleware[WSGIApp, Limiter]):
             return start_response(status, app_headers)
 
         try:
-            return self.app(environ, start)
+            body = self.app(environ, start)
         except Exception:
             if not settled:
                 settle(500)
             raise
+        if not self.limiting.reports(admission):
+            return body
+
+        def finish() -> None:
+            steps = self.limiting.finish(admission, response, environ.get(COST_KEY))
+            drive_sync(steps, self.limiter)
+
+        return LastChunk(body, finish)
+
+
+def _settle_reported(
+    limiting: Limiting, limiter: Limiter, admission: Admission, response: Any
+) -> None:
+    """Settle a ``reported_cost`` charge of a Flask response: now when its whole body is
+    there, else (streamed) before its last chunk is sent."""
+    import flask
+
+    environ = flask.request.environ
+
+    def finish() -> None:
+        drive_sync(limiting.finish(admission, response, environ.get(COST_KEY)), limiter)
+
+    if response.is_sequence:
+        finish()
+    else:
+        response.response = LastChunk(response.response, finish)
 
 
 def flask_limit(
@@ -145,6 +183,7 @@ def flask_limit(
     policy: PolicyChoice,
     *,
     deduct_when: DeductWhen | None = None,
+    reported_cost: ReportedCost = False,
     **options: Unpack[EndpointOptions],
 ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """A Flask view decorator that limits one endpoint (``pip install flask``; async views
@@ -161,8 +200,12 @@ def flask_limit(
     ``missing_identity``, ``preflight``, ``enabled``) are those of the middleware
     (``missing_identity="reject"`` answers 400 with problem+json). ``deduct_when``: a function
     of the response's status; the cost is reserved before the view runs and kept only when it
-    returns true (an exception in the view counts as 500), as a rule's does. The decisions
-    charged are in ``flask.request.environ["ratekeeper"]``.
+    returns true (an exception in the view counts as 500), as a rule's does.
+    ``reported_cost``: ``cost`` is an estimate, reserved before the view runs and settled to
+    the real cost before the response's last chunk is sent, streamed or not: True reads
+    ``flask.request.environ["ratekeeper_cost"]`` (set it in the view, or in a streamed body's
+    generator); a function of the ``flask.Response`` returns the cost (None keeps the
+    estimate). The decisions charged are in ``flask.request.environ["ratekeeper"]``.
     """
     import functools
 
@@ -176,6 +219,8 @@ def flask_limit(
         options,
         asynchronous=False,
         deduct_when=deduct_when,
+        reported_cost=reported_cost,
+        settles_reported=True,
     )
 
     def admit() -> Admission | None:
@@ -199,6 +244,8 @@ def flask_limit(
             )
             for name, value in headers or ():
                 response.headers[name] = value
+            if admission.deferred and limiting.reports(admission):
+                _settle_reported(limiting, limiter, admission, response)
         return response
 
     def failed(admission: Admission | None) -> None:

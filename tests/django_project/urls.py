@@ -10,6 +10,8 @@ urlpatterns = [
     path("login", views.login),
     path("views/sync", views.sync_view),
     path("views/async", views.async_view),
+    path("tokens/sync", views.tokens),
+    path("tokens/async", views.async_tokens),
     path("drf/burst", views.Burst.as_view()),
     path("drf/drf-burst", views.DRFBurst.as_view()),
 ]

@@ -4,9 +4,10 @@ DRF views (ratekeeper's throttle and DRF's own)."""
 from __future__ import annotations
 
 import os
+from collections.abc import AsyncIterator, Iterator
 from typing import ClassVar
 
-from django.http import HttpRequest, JsonResponse
+from django.http import HttpRequest, JsonResponse, StreamingHttpResponse
 from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.throttling import ScopedRateThrottle
@@ -18,6 +19,8 @@ from ratekeeper.drf import RatekeeperThrottle
 
 SYNC_VIEW = Policy("dj-sync", "7/minute")
 ASYNC_VIEW = Policy("dj-async", "9/minute")
+#: A token budget: each answer is estimated at 200 tokens and reports 700 at its end.
+TOKENS = Policy("dj-tokens", "1000/minute")
 
 
 def _pid(response: JsonResponse) -> JsonResponse:
@@ -50,6 +53,27 @@ async def async_view(request: HttpRequest) -> JsonResponse:
     return _pid(
         JsonResponse({"view": "async", "decisions": len(getattr(request, "ratekeeper", ()))})
     )
+
+
+@ratelimit(TOKENS, key="header:x-api-key", cost=200, reported_cost=True)
+def tokens(request: HttpRequest) -> StreamingHttpResponse:
+    """Streams an answer; the usage is known at its end (as from an LLM's last event)."""
+
+    def answer() -> Iterator[bytes]:
+        yield from (b"to", b"be", b"or", b"not")
+        request.ratekeeper_cost = 700  # type: ignore[attr-defined]
+
+    return StreamingHttpResponse(answer())
+
+
+@ratelimit(TOKENS, key="header:x-api-key", cost=200, reported_cost=True)
+async def async_tokens(request: HttpRequest) -> StreamingHttpResponse:
+    async def answer() -> AsyncIterator[bytes]:
+        for word in (b"to", b"be", b"or", b"not"):
+            yield word
+        request.ratekeeper_cost = 700  # type: ignore[attr-defined]
+
+    return StreamingHttpResponse(answer())
 
 
 class Burst(APIView):

@@ -39,6 +39,8 @@ from ._base import (
     MissingIdentity,
     PolicyChoice,
     Preflight,
+    ReportedCost,
+    ResponseView,
     _is_async,
 )
 from ._drivers import drive_async, drive_blocking, drive_sync
@@ -54,6 +56,7 @@ from ._render import (
     response_headers,
 )
 from ._rules import Rule, anonymous_identity, is_preflight, make_rules, match_rule
+from ._streams import LastChunk, last_chunk_async
 from ._workers import several_workers, warn_memory_under_workers
 
 __all__ = [
@@ -68,6 +71,7 @@ __all__ = [
     "EndpointOptions",
     "KeyChoice",
     "KeyFunc",
+    "LastChunk",
     "LazyHeaders",
     "Limiting",
     "Middleware",
@@ -75,7 +79,9 @@ __all__ = [
     "MissingIdentity",
     "PolicyChoice",
     "Preflight",
+    "ReportedCost",
     "Request",
+    "ResponseView",
     "Rule",
     "Settle",
     "Steps",
@@ -90,6 +96,7 @@ __all__ = [
     "endpoint_limiting",
     "headers_for",
     "is_preflight",
+    "last_chunk_async",
     "make_rules",
     "match_rule",
     "merge_headers",

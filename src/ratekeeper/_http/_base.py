@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import inspect
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
 from .._decision import Decision
@@ -35,8 +36,9 @@ MISSING_IDENTITY_DETAIL = "The request carries no client identity, which this en
 #: The key the decisions charged for a request are stored under: ``scope["state"][STATE_KEY]``
 #: (``request.state.ratekeeper`` on Starlette, FastAPI and Litestar) and ``environ[STATE_KEY]``.
 STATE_KEY = "ratekeeper"
-#: Where a handler reports the real cost of its request for a ``reported_cost`` rule
-#: (``request.state.ratekeeper_cost = tokens``).
+#: Where a handler reports the real cost of its request for a ``reported_cost=True`` rule:
+#: ``request.state.ratekeeper_cost = tokens`` (ASGI), ``environ["ratekeeper_cost"]`` (WSGI,
+#: Flask's ``request.environ``), ``request.ratekeeper_cost`` (Django).
 COST_KEY = "ratekeeper_cost"
 
 
@@ -49,6 +51,23 @@ KeyChoice = Callable[[Request], "str | Awaitable[str | None] | None"]
 CostChoice = int | Callable[[Request], "int | Awaitable[int]"]
 #: Called with the response's status code: whether the request is charged.
 DeductWhen = Callable[[int], bool]
+#: A rule's ``reported_cost``: False; True (the cost the handler stored under ``COST_KEY``);
+#: or a plain function of the response returning the cost (an int >= 0), or None to keep the
+#: estimate. The response is the framework's own (Django, Flask) or, in the ASGI and WSGI
+#: middlewares, a :class:`ResponseView`.
+ReportedCost = bool | Callable[[Any], "int | None"]
+
+
+@dataclass(frozen=True, slots=True)
+class ResponseView:
+    """A response as the ASGI and WSGI middlewares see it, for a ``reported_cost`` function,
+    once its last chunk is ready: ``status``; ``headers``, names in lower case (the last value
+    of a repeated name); ``state``, where the handler may have written (the ASGI scope's
+    ``state``, ``request.state`` on Starlette and FastAPI; the WSGI environ)."""
+
+    status: int
+    headers: Mapping[str, str]
+    state: Mapping[str, Any]
 
 #: Builds a denial response: (decision, request) -> (status, headers, body).
 DeniedResponse = Callable[[Decision, Request], tuple[int, list[tuple[str, str]], bytes]]

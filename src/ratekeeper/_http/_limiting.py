@@ -23,6 +23,7 @@ from ._base import (
     MissingIdentity,
     PolicyChoice,
     Preflight,
+    ReportedCost,
     _is_async,
 )
 from ._render import (
@@ -69,19 +70,20 @@ class Settle:
 class Charge:
     """One policy to charge for a request: ``cost`` of ``policy`` for ``identity``.
     ``deduct_when`` set: charged after the response, when it says so. ``reported``: the
-    cost is an estimate, settled to the cost the handler reports once the response ends."""
+    rule's ``reported_cost``: the cost is an estimate, settled to the cost the handler
+    reports once the response ends."""
 
     policy: Policy
     identity: str
     cost: int
     shadow: bool
     deduct_when: DeductWhen | None = None
-    reported: bool = False
+    reported: ReportedCost = False
 
     @property
     def deferred(self) -> bool:
         """Whether it is reserved before the handler and settled after."""
-        return self.deduct_when is not None or self.reported
+        return self.deduct_when is not None or self.reported is not False
 
 
 @dataclass(slots=True)
@@ -164,7 +166,7 @@ class Limiting:
     * ``enabled``: False passes every request on untouched, without a store call.
     * ``asynchronous``: whether the driver can await (async callables are refused otherwise).
     * ``settles_reported``: whether the driver calls :meth:`finish` when the response ends
-      (rules with ``reported_cost`` are refused otherwise).
+      (rules with ``reported_cost`` are refused otherwise: ``fastapi_dependency`` cannot).
 
     **Stacked policies.** A request is admitted only when every policy that applies admits
     it. They are asked one after another (two policies never share a cluster slot: each
@@ -245,10 +247,10 @@ class Limiting:
         if application_key is not None and application_policy is None:
             raise ConfigError("application_key needs an application_policy")
         self.rules = make_rules(policy, rules, exempt)
-        if not settles_reported and any(rule.reported_cost for rule in self.rules):
+        if not settles_reported and any(rule.reported_cost is not False for rule in self.rules):
             raise ConfigError(
-                "reported_cost is settled when the response ends, which only the ASGI "
-                "middleware (ratekeeper.asgi) sees: use it there"
+                "reported_cost is settled when the response ends, which a dependency does not "
+                "see: use a Rule of the ASGI middleware for this route"
             )
         if application_policy is None and not any(r.policy is not None for r in self.rules):
             raise ConfigError("the middleware needs a policy, or rules with policies")
@@ -393,8 +395,8 @@ class Limiting:
             if isinstance(found, Admission):
                 return found
             if found is not None:
-                if compiled.rule.reported_cost:
-                    found = replace(found, reported=True)
+                if compiled.rule.reported_cost is not False:
+                    found = replace(found, reported=compiled.rule.reported_cost)
                 charges.append(found)
         if self._application is not None:
             found = yield from self._charge(
@@ -463,7 +465,7 @@ class Limiting:
         for charge, reservation in zip(admission.deferred, admission.reserved, strict=True):
             if charge.deduct_when is None or charge.deduct_when(status):
                 if reservation.held:
-                    if not charge.reported:  # else settled when the response ends
+                    if charge.reported is False:  # else settled when the response ends
                         reservation.keep()
                     charged.append(reservation.decision)
                 shown.append(reservation.decision)
@@ -475,15 +477,32 @@ class Limiting:
         return self._passed(admission.shown)
 
     @staticmethod
-    def finish(admission: Admission, reported: int | None) -> Steps:
-        """Once the response has ended: settle the reservations of ``reported_cost`` rules
-        to the cost the handler reported (None: it reported none, and the estimate stays)."""
+    def reports(admission: Admission) -> bool:
+        """Whether the driver must call :meth:`finish` when the response ends."""
+        return any(charge.reported is not False for charge in admission.deferred)
+
+    @staticmethod
+    def finish(admission: Admission, response: Any, stored: Any) -> Steps:
+        """Once the response's last chunk is ready: settle the reservations of
+        ``reported_cost`` rules to the cost reported, ``stored`` (what the handler stored
+        under ``COST_KEY``) for ``reported_cost=True``, else the rule's function of
+        ``response``. None (nothing reported) keeps the estimate. A reported cost that is not
+        an int >= 0 is the handler's bug: a TypeError naming the policy."""
         for charge, reservation in zip(admission.deferred, admission.reserved, strict=True):
-            if charge.reported and reservation.held:
-                if reported is None:
-                    reservation.keep()
-                else:
-                    yield Settle(reservation, reported)
+            reported = charge.reported
+            if reported is False or not reservation.held:
+                continue
+            actual = stored if reported is True else reported(response)
+            if actual is None:
+                reservation.keep()
+                continue
+            if isinstance(actual, bool) or not isinstance(actual, int) or actual < 0:
+                reservation.keep()
+                raise TypeError(
+                    f"reported_cost of policy {charge.policy.name!r}: the cost must be an int "
+                    f">= 0 (or None to keep the estimate), got {actual!r}"
+                )
+            yield Settle(reservation, actual)
 
     def _passed(self, decisions: Sequence[Decision]) -> list[tuple[str, str]]:
         # Passed on (allowed, or shadow mode): no Retry-After, the client need not wait.

@@ -26,6 +26,7 @@ from ._base import (
     MissingIdentity,
     PolicyChoice,
     Preflight,
+    ReportedCost,
 )
 from ._limiting import Limiting
 from ._nested import shown_headers
@@ -75,7 +76,7 @@ class Middleware(Generic[_App, _L]):
         self.app = app
         self.limiter: _L = limiter
         asgi = self.kind == "ASGI"
-        self.limiting = Limiting(**options, asynchronous=asgi, settles_reported=asgi)
+        self.limiting = Limiting(**options, asynchronous=asgi, settles_reported=True)
         if self.limiting.enabled:
             warn_memory_under_workers(limiter, f"the {self.kind} middleware's limiter")
 
@@ -116,6 +117,8 @@ def endpoint_limiting(
     *,
     asynchronous: bool,
     deduct_when: DeductWhen | None = None,
+    reported_cost: ReportedCost = False,
+    settles_reported: bool = False,
 ) -> Limiting:
     """The ``Limiting`` of one endpoint charged to ``policy``, for ``where`` (the decorator or
     dependency, named in errors), which drives a limiter of the class ``drives``; on
@@ -131,9 +134,16 @@ def endpoint_limiting(
         raise ConfigError(f"{where} needs a policy, or a callable returning one")
     rest: dict[str, Any] = dict(options)
     rule = Rule(
-        "*", policy, key=rest.pop("key", None), cost=rest.pop("cost", 1), deduct_when=deduct_when
+        "*",
+        policy,
+        key=rest.pop("key", None),
+        cost=rest.pop("cost", 1),
+        deduct_when=deduct_when,
+        reported_cost=reported_cost,
     )
-    limiting = Limiting(rules=[rule], **rest, asynchronous=asynchronous)
+    limiting = Limiting(
+        rules=[rule], **rest, asynchronous=asynchronous, settles_reported=settles_reported
+    )
     if limiting.enabled:
         warn_memory_under_workers(limiter, f"{where}'s limiter")  # type: ignore[arg-type]
     return limiting

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 from .._errors import ConfigError
 from .._policy import Policy
 from .._request import Request
-from ._base import CostChoice, DeductWhen, KeyChoice, PolicyChoice, _is_async
+from ._base import CostChoice, DeductWhen, KeyChoice, PolicyChoice, ReportedCost, _is_async
 
 if TYPE_CHECKING:
     pass
@@ -92,11 +92,14 @@ class Rule:
     count until they end: however many arrive at once, at most the limit reach the handler
     beyond those whose outcome did not count.
 
-    ``reported_cost`` (the ASGI middleware): ``cost`` is an estimate, reserved before the
-    handler runs and settled to the cost the handler reports once the response has ended,
-    streamed or not: ``request.state.ratekeeper_cost = tokens`` (``scope["state"]``); the
-    estimate stays when it reports none. With ``deduct_when`` too, an outcome that does not
-    count refunds the estimate at the response start.
+    ``reported_cost``: ``cost`` is an estimate, reserved before the handler runs and settled
+    to the real cost just before the response's last chunk leaves, streamed or not. True: the
+    cost the handler stores, ``request.state.ratekeeper_cost = tokens`` under ASGI
+    (``scope["state"]``), ``environ["ratekeeper_cost"]`` under WSGI. Or a plain function of
+    the response (a :class:`ResponseView`: status, headers, state) returning the cost:
+    ``lambda response: int(response.headers["x-tokens-used"])``. None (nothing reported)
+    keeps the estimate. With ``deduct_when`` too, an outcome that does not count refunds the
+    estimate at the response start.
 
     ``shadow`` decides and sets headers but never blocks.
     """
@@ -108,7 +111,7 @@ class Rule:
     cost: CostChoice = 1
     shadow: bool = False
     deduct_when: DeductWhen | None = None
-    reported_cost: bool = False
+    reported_cost: ReportedCost = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.path, (str, re.Pattern)):
@@ -150,11 +153,8 @@ class Rule:
                 raise ConfigError("rule deduct_when must be a plain function of the status code")
             if self.policy is None:
                 raise ConfigError("rule deduct_when needs a policy to charge")
-        if not isinstance(self.reported_cost, bool):
-            raise ConfigError(
-                f"rule reported_cost must be True or False, got {self.reported_cost!r}"
-            )
-        if self.reported_cost and self.policy is None:
+        check_reported_cost(self.reported_cost, "rule reported_cost")
+        if self.reported_cost is not False and self.policy is None:
             raise ConfigError("rule reported_cost needs a policy to charge")
 
     def matches(self, method: str, path: str) -> bool:
@@ -165,6 +165,18 @@ class Rule:
         if isinstance(self.path, str):
             return fnmatchcase(path, self.path)
         return self.path.fullmatch(path) is not None
+
+
+def check_reported_cost(reported: Any, what: str) -> None:
+    """A ``reported_cost`` choice: True, False, or a plain function of the response."""
+    if isinstance(reported, bool):
+        return
+    if not callable(reported):
+        raise ConfigError(
+            f"{what} must be True, False or a function of the response, got {reported!r}"
+        )
+    if _is_async(reported):
+        raise ConfigError(f"{what} must be a plain function of the response, not async")
 
 
 def _check_cost(cost: Any, what: str) -> int:

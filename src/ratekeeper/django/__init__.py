@@ -24,25 +24,28 @@ from __future__ import annotations
 
 import functools
 import re
-from collections.abc import Awaitable, Callable, Iterable, MutableMapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping, MutableMapping
 from typing import Any
 
-from asgiref.sync import iscoroutinefunction, markcoroutinefunction
+from asgiref.sync import async_to_sync, iscoroutinefunction, markcoroutinefunction
 from django.core.exceptions import ImproperlyConfigured
 from django.core.handlers.wsgi import WSGIRequest
-from django.http import HttpRequest, HttpResponse, HttpResponseBase
+from django.http import HttpRequest, HttpResponse, HttpResponseBase, StreamingHttpResponse
 
 from .._decision import Decision
 from .._errors import ConfigError
 from .._http import (
     Admission,
+    LastChunk,
     Limiting,
+    ReportedCost,
     Rule,
     Steps,
     answered,
     drive_async,
     drive_blocking,
     drive_sync,
+    last_chunk_async,
     shown_headers,
     warn_memory_under_workers,
 )
@@ -122,7 +125,26 @@ def _run_sync(
     if admission.deferred:
         headers = drive_sync(limiting.settle(admission, response.status_code), limiter)
         _record(request, admission.decisions[: len(admission.decisions) - len(before)])
+        if limiting.reports(admission):
+            steps = _finish(limiting, admission, request, response)
+            if isinstance(response, StreamingHttpResponse):
+                _finish_streamed(response, lambda: drive_sync(steps(), limiter))
+            else:
+                drive_sync(steps(), limiter)
     return _with_headers(limiting, request, response, admission, headers)
+
+
+def _finish(
+    limiting: Limiting, admission: Admission, request: HttpRequest, response: HttpResponseBase
+) -> Callable[[], Steps]:
+    """The steps that settle a ``reported_cost`` charge: the cost the view stored in
+    ``request.ratekeeper_cost``, or the rule's function of the response."""
+    return lambda: limiting.finish(admission, response, getattr(request, "ratekeeper_cost", None))
+
+
+def _finish_streamed(response: StreamingHttpResponse, finish: Callable[[], Any]) -> None:
+    """Settle before the streamed body's last chunk is sent (``finish`` is sync)."""
+    response.streaming_content = LastChunk(response.streaming_content, finish)
 
 
 async def _run_async(
@@ -158,6 +180,20 @@ async def _run_async(
     if admission.deferred:
         headers = await drive(limiting.settle(admission, response.status_code))
         _record(request, admission.decisions[: len(admission.decisions) - len(before)])
+        if limiting.reports(admission):
+            steps = _finish(limiting, admission, request, response)
+
+            async def finish() -> None:
+                await drive(steps())
+
+            if not isinstance(response, StreamingHttpResponse):
+                await finish()
+            elif response.is_async:
+                response.streaming_content = last_chunk_async(response.streaming_content, finish)
+            elif isinstance(request, WSGIRequest):  # read by the WSGI server, blocking limiter
+                _finish_streamed(response, lambda: drive_sync(steps(), limiter))
+            else:  # Django under ASGI reads a sync body in a thread (sync_to_async)
+                _finish_streamed(response, async_to_sync(finish))
     return _with_headers(limiting, request, response, admission, headers)
 
 
@@ -237,14 +273,45 @@ def _django_request(args: tuple[Any, ...]) -> HttpRequest:
     raise ImproperlyConfigured("ratelimit: the decorated view was not given a request")
 
 
+#: django-ratelimit's arguments, and what to write instead: refused with this, not Python's
+#: bare "unexpected keyword argument".
+_DJANGO_RATELIMIT = {
+    "rate": "give the rates as the first argument, ratelimit('5/m', key=...), or a Policy",
+    "method": "write methods={'POST'} (a set of method names; leave it out for every method)",
+    "block": "a denial is always a 429 before the view; block=False is shadow=True here "
+    "(decide and send headers, never block)",
+    "group": "give the views that share a budget the same Policy('name', rates)",
+}
+
+
+def _refuse_django_ratelimit(given: Mapping[str, object], has_policy: bool) -> None:
+    """A clear TypeError for django-ratelimit's arguments (or any unknown one), raised when
+    the view's module is imported."""
+    for name in given:
+        fix = _DJANGO_RATELIMIT.get(name)
+        if fix is None:
+            raise TypeError(f"ratelimit() got an unexpected keyword argument {name!r}")
+        raise TypeError(
+            f"ratelimit() has no {name}= (django-ratelimit's argument): {fix}; "
+            "see docs/migration.md"
+        )
+    if not has_policy:
+        raise TypeError(
+            "ratelimit() needs the rates or a Policy as its first argument: "
+            "ratelimit('5/m', key='ip')"
+        )
+
+
 def ratelimit(
-    policy: Policy | str | Callable[[HttpRequest], Any],
+    policy: Policy | str | Callable[[HttpRequest], Any] | None = None,
     *,
     key: Any = None,
     cost: int | Callable[[HttpRequest], Any] = 1,
     methods: Iterable[str] | None = None,
     shadow: bool = False,
     deduct_when: Callable[[int], bool] | None = None,
+    reported_cost: ReportedCost = False,
+    **django_ratelimit: object,
 ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Limits one view, sync or async (``async def`` views run on the ``AsyncLimiter``).
 
@@ -266,9 +333,16 @@ def ratelimit(
     uncharged. ``shadow``: decide and send headers, never block. ``deduct_when``: a function
     of the response's status; the cost is reserved before the view runs and kept only when it
     returns true (``lambda status: status == 401`` counts failed logins), as a rule's does.
+    ``reported_cost``: ``cost`` is an estimate, reserved before the view runs and settled to
+    the real cost once the response is complete (a ``StreamingHttpResponse``: before its last
+    chunk is sent). True reads ``request.ratekeeper_cost`` (set it in the view, or in the
+    streamed body's generator); a function of the response returns the cost (None keeps the
+    estimate): ``reported_cost=lambda response: int(response["X-Tokens-Used"])``.
     Denied: 429 with problem+json and the RateLimit headers, before the view runs.
-    ``ENABLED = False`` turns it off.
+    ``ENABLED = False`` turns it off. django-ratelimit's ``rate``, ``method``, ``block`` and
+    ``group`` are a TypeError that says what to write instead.
     """
+    _refuse_django_ratelimit(django_ratelimit, policy is not None)
 
     def decorate(view: Callable[..., Any]) -> Callable[..., Any]:
         chosen = _view_policy(policy, view)
@@ -279,13 +353,19 @@ def ratelimit(
         def rule(rule_key: Any) -> Rule:
             charged = on_django_request(cost) if callable(cost) else cost
             return Rule(
-                "*", chosen, methods=given, key=rule_key, cost=charged, deduct_when=deduct_when
+                "*",
+                chosen,
+                methods=given,
+                key=rule_key,
+                cost=charged,
+                deduct_when=deduct_when,
+                reported_cost=reported_cost,
             )
 
         try:
             # Bad arguments fail at import, not at the first request.
             probe_key = None if key is None else resolve_key(key, "key")  # {where}: below
-            Limiting(rules=[rule(probe_key)], asynchronous=asynchronous)
+            Limiting(rules=[rule(probe_key)], asynchronous=asynchronous, settles_reported=True)
         except ConfigError as exc:
             raise SettingsError(f"{where}: {exc}") from None
         built: list[tuple[Config, Limiting]] = []

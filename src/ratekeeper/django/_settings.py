@@ -235,6 +235,7 @@ class Config:
             "legacy_headers": values["LEGACY_HEADERS"],
             "missing_identity": values["MISSING_IDENTITY"],
             "preflight": values["PREFLIGHT"],
+            "settles_reported": True,
         }
         policy = policy_from(values["POLICY"], f"{where}['POLICY']")
         rules = values["RULES"]
