@@ -14,13 +14,16 @@ A request is handled in two steps:
 1. ``admit(request)`` returns None (pass it on untouched) or an :class:`Admission`: a response
    to answer at once (``blocked``), or headers to add to the app's response and the decisions
    charged (``decisions``, for the handler);
-2. when an admission has ``deferred`` charges (rules with ``deduct_when``), ``settle(admission,
-   status)`` charges those the status calls for, once the app's status is known, and returns
-   the headers to send.
+2. when an admission has ``deferred`` charges (rules with ``deduct_when`` or
+   ``reported_cost``), ``settle(admission, status)`` charges those the status calls for, once
+   the app's status is known, and returns the headers to send;
+3. with ``reported_cost``, ``finish(admission, response, stored)`` settles the reported cost
+   when the last chunk of the body is ready (``_streams`` wraps a body so).
 
 Its rooms: ``_base`` (the vocabulary: choices, constants), ``_rules`` (which requests a policy
 applies to), ``_render`` (headers and 429 bodies), ``_limiting`` (the decision for a request,
-no I/O), ``_drivers`` (running it, blocking or asyncio), ``_middleware`` (what the ASGI and WSGI
+no I/O), ``_steps`` (what it yields and returns), ``_drivers`` (running it, blocking or
+asyncio), ``_streams`` (bodies that settle before their last chunk), ``_middleware`` (what the ASGI and WSGI
 middlewares share), ``_nested`` (several limiters on one request: a decorator or dependency
 behind a middleware, one set of headers) and ``_workers`` (``memory://`` under several
 workers). The request view is ``ratekeeper._request``.
@@ -44,7 +47,7 @@ from ._base import (
     _is_async,
 )
 from ._drivers import drive_async, drive_blocking, drive_sync
-from ._limiting import Admission, Charge, Limiting, Settle, Steps, StoreCall
+from ._limiting import Limiting
 from ._middleware import EndpointOptions, Middleware, MiddlewareOptions, endpoint_limiting
 from ._nested import SHOWN_KEY, add_charged, answered, shown_headers
 from ._render import (
@@ -56,6 +59,7 @@ from ._render import (
     response_headers,
 )
 from ._rules import Rule, anonymous_identity, is_preflight, make_rules, match_rule
+from ._steps import Admission, Charge, Settle, Steps, StoreCall
 from ._streams import LastChunk, last_chunk_async
 from ._workers import several_workers, warn_memory_under_workers
 

@@ -69,6 +69,7 @@ class ResponseView:
     headers: Mapping[str, str]
     state: Mapping[str, Any]
 
+
 #: Builds a denial response: (decision, request) -> (status, headers, body).
 DeniedResponse = Callable[[Decision, Request], tuple[int, list[tuple[str, str]], bytes]]
 

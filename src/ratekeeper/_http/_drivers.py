@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from ._limiting import Settle, Steps, StoreCall
+from ._steps import Settle, Steps, StoreCall
 
 if TYPE_CHECKING:
     from .._limiter import AsyncLimiter, Limiter
