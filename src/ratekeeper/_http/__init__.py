@@ -23,10 +23,10 @@ A request is handled in two steps:
 Its rooms: ``_base`` (the vocabulary: choices, constants), ``_rules`` (which requests a policy
 applies to), ``_render`` (headers and 429 bodies), ``_limiting`` (the decision for a request,
 no I/O), ``_steps`` (what it yields and returns), ``_drivers`` (running it, blocking or
-asyncio), ``_streams`` (bodies that settle before their last chunk), ``_middleware`` (what the ASGI and WSGI
-middlewares share), ``_nested`` (several limiters on one request: a decorator or dependency
-behind a middleware, one set of headers) and ``_workers`` (``memory://`` under several
-workers). The request view is ``ratekeeper._request``.
+asyncio), ``_streams`` (bodies that settle before their last chunk), ``_middleware`` (what the
+ASGI and WSGI middlewares share), ``_nested`` (several limiters on one request: a decorator
+or dependency behind a middleware, one set of headers) and ``_workers`` (``memory://`` under
+several workers). The request view is ``ratekeeper._request``.
 """
 
 from __future__ import annotations
