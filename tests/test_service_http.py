@@ -15,6 +15,8 @@ import grpc
 import httpx
 import pytest
 
+from ratekeeper.service._health import STOPPING
+
 from .private_servers import private_servers
 from .servers import RedisServer
 from .service_support import OURS, running, write
@@ -106,7 +108,7 @@ def test_json_endpoint(tmp_path: Path, redis_url: str) -> None:
                     assert answer.text.startswith("bad request")
                 no_descriptors = await http.post("/json", json={"domain": "web"})
                 assert no_descriptors.status_code == 400
-                assert "no descriptors" in no_descriptors.text
+                assert "descriptor list must not be empty" in no_descriptors.text
                 assert (await http.get("/json")).status_code == 405
                 assert (await http.post("/metrics")).status_code == 405
                 assert (await http.get("/nothing")).status_code == 404
@@ -153,11 +155,10 @@ def test_healthcheck_metrics_rlconfig(tmp_path: Path, redis_url: str) -> None:
                 (domain,) = shown["domains"]
                 assert domain["domain"] == "web"
                 assert [d["key"] for d in domain["descriptors"]] == ["user", "api"]
-                # while stopping (gRPC draining), the health check fails first
-                assert service._app is not None
-                service._app.healthy = False
+                # while stopping (gRPC draining), the health check fails first (500, upstream's)
+                await service.health.fail(STOPPING)
                 draining = await http.get("/healthcheck")
-                assert draining.status_code == 503
+                assert (draining.status_code, draining.text) == (500, "shutting down\n")
 
     asyncio.run(main())
 

@@ -101,8 +101,8 @@ def test_workers_share_the_ports(tmp_path: Path) -> None:
                 assert f"gRPC on 127.0.0.1:{grpc_port}, HTTP on 127.0.0.1:{http_port}" in line
             admitted = asyncio.run(hammer([grpc_port]))
             assert admitted == {"slog": 100, "fixed": 100}
-            # Each scrape on a fresh connection lands on a worker the kernel picks: both
-            # workers decided, and their counts add up to exactly the limit.
+            # Each scrape on a fresh connection lands on a worker the kernel picks, and each
+            # shows both workers' counts together: exactly the limit.
             ok: dict[str, dict[str, float]] = {}
             for _ in range(40):
                 text = httpx.get(f"http://127.0.0.1:{http_port}/metrics").text
@@ -120,9 +120,8 @@ def test_workers_share_the_ports(tmp_path: Path) -> None:
                     ]
                 }
             assert set(ok) == pids
-            for key in ("slog", "fixed"):
-                assert sum(counts[key] for counts in ok.values()) == 100
-                assert all(counts[key] > 0 for counts in ok.values())
+            for counts in ok.values():
+                assert counts == {"slog": 100, "fixed": 100}
             assert server.stop() == 0  # SIGTERM to the parent stops both workers
 
 

@@ -3,7 +3,8 @@
 Each test restates one example of upstream's README ("Configuration" > "Examples" 1-9) or of its
 ``basic_config`` and ``wildcard`` test configurations, written here in our own words: the rule
 each descriptor lands on (``ServiceConfig.resolve``), and the statuses a run of requests gets
-when those rules are charged on the memory store with a manual clock. The status logic below
+when those rules are charged on a real store (the shared Redis/Valkey) with a manual clock
+(the limiter's client time). The status logic below
 is upstream's, stated as a test oracle: no rule is OK with no limit, ``unlimited`` is OK with
 remaining 4294967295, ``requests_per_unit: 0`` is always over the limit, shadow mode turns an
 over-limit status into OK, and the request is over the limit when any descriptor is.
@@ -12,14 +13,17 @@ over-limit status into OK, and the request is over the limit when any descriptor
 from __future__ import annotations
 
 import textwrap
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from ratekeeper import Limiter, ManualClock, Rate
-from ratekeeper.service._config import LimitRule, ServiceConfig, identity_of
+from ratekeeper.service._config import LimitRule, ServiceConfig
 from ratekeeper.service._loader import load_config
+
+from .servers import RedisServer
 
 Entries = list[tuple[str, str]]
 UNLIMITED_REMAINING = 2**32 - 1
@@ -31,8 +35,12 @@ def clock() -> ManualClock:
 
 
 @pytest.fixture
-def limiter(clock: ManualClock) -> Iterator[Limiter]:
-    limiter = Limiter.from_url("memory://", clock=clock)
+def limiter(clock: ManualClock, servers: dict[str, RedisServer]) -> Iterator[Limiter]:
+    url = next(iter(servers.values())).url
+    prefix = f"examples{time.monotonic_ns()}"  # counters of their own, whatever ran before
+    limiter = Limiter.from_url(
+        url, clock=clock, key_prefix=prefix, timeout=2.0, failure_mode="raise"
+    )
     yield limiter
     limiter.close()
 
@@ -57,7 +65,7 @@ def statuses(
             out.append(("OVER_LIMIT", 0))
         else:
             assert rule.policy is not None
-            decision = limiter.hit(rule.policy, identity_of(domain, entries))
+            decision = limiter.hit(rule.policy, rule.identity_for(entries))
             code = "OK" if decision.allowed or rule.shadow_mode else "OVER_LIMIT"
             out.append((code, decision.remaining))
     overall = "OVER_LIMIT" if any(code == "OVER_LIMIT" for code, _ in out) else "OK"
@@ -246,7 +254,7 @@ def test_example_6_shadow_mode(tmp_path: Path, limiter: Limiter) -> None:
     # ... though the limit was counted: the 11th request was over it.
     rule = the_rule(config, "example6", user_a)
     assert rule.policy is not None
-    assert not limiter.peek(rule.policy, identity_of("example6", user_a)).allowed
+    assert not limiter.peek(rule.policy, rule.identity_for(user_a)).allowed
     assert codes(limiter, config, "example6", user_b, 21) == "." * 20 + "X"
 
 
@@ -481,5 +489,5 @@ def test_a_limit_override_is_charged_like_upstream(tmp_path: Path, limiter: Limi
     assert over is not None
     assert over.policy is not None
     assert over.policy.rates == (Rate(2, 1),)
-    charged = [limiter.hit(over.policy, identity_of("messaging", number)).allowed for _ in range(3)]
+    charged = [limiter.hit(over.policy, over.identity_for(number)).allowed for _ in range(3)]
     assert charged == [True, True, False]

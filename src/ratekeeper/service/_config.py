@@ -8,23 +8,34 @@ descriptor entry, no parsing and no regular expressions.
 
 The format is envoyproxy/ratelimit's (``domain``; nested ``descriptors`` with ``key``,
 ``value``, ``rate_limit`` {``unit``, ``requests_per_unit``, ``unlimited``, ``name``,
-``replaces``}, ``shadow_mode``, ``detailed_metric``, ``value_to_metric``, ``metadata``) with its
-lookup rules: at each level the exact value first, then the wildcard values (``*`` matches any
-run of characters, anywhere in the value) in file order, then the key alone; a limit applies
-only where the request's last entry lands. Extensions, refused with ``portable=True`` so that a
+``replaces``}, ``shadow_mode``, ``quota_mode``, ``share_threshold``, ``detailed_metric``,
+``value_to_metric``, ``metadata``) with its lookup rules: at each level the exact value first,
+then the wildcard values (``*`` matches any run of characters, anywhere in the value) in file
+order, then the key alone; a limit applies only where the request's last entry lands. With
+``share_threshold`` on a wildcard descriptor, every value it matches shares one counter (the
+store identity holds the pattern, :meth:`LimitRule.identity_for`) and one stats key;
+``quota_mode`` marks a rule whose being over its limit refuses a request only when every quota
+descriptor of the request is over (the Decider applies it). With ``merge_domains``
+(upstream's ``MERGE_DOMAIN_CONFIG``) a domain may be spread over several files, whose top-level
+descriptors are merged (a descriptor in two of them is refused, as upstream refuses it).
+Extensions, refused with ``portable=True`` so that a
 file stays loadable by envoyproxy/ratelimit, go in ``rate_limit``: ``algorithm`` (default
 ``fixed_window``, as upstream), ``burst``, ``unit_multiplier`` (a window of several units),
 ``limits`` (several limits on one descriptor, checked all-or-nothing) and ``charge_over_limit``
 (hits charged whatever the limit: costs reported once the work is done).
 
-Where this loader is stricter than upstream, on purpose (each is a silent mistake there): a key
-in the wrong place (upstream accepts any known key anywhere and ignores it), a mapping key
-written twice, ``requests_per_unit`` left out (upstream reads 0: deny everything; write 0 to mean
-it), ``unlimited`` with ``requests_per_unit``, ``replaces`` naming no rule of the domain, a ``*``
-in a key, and ``quota_mode``/``share_threshold`` set to true (not supported: refused rather than
-ignored). Matching compares keys and values as they are; upstream joins them as ``key_value``
-strings, so that ``("a_b", "c")`` can match a rule for ``a: b_c`` there; ``portable=True``
-refuses the files in which two descriptors of a level would collide that way.
+Where this loader is stricter than upstream, on purpose (each is a silent mistake there; the
+loader's ``UPSTREAM_LENIENT`` lists them, and each message names what upstream does and the
+fix): one of upstream's keys in the wrong place (upstream accepts any of its keys anywhere and
+ignores it), a mapping key written twice (upstream keeps the last), ``requests_per_unit`` left
+out (upstream reads 0: deny everything; write 0 to mean it), ``unlimited`` with
+``requests_per_unit`` (upstream ignores the number), ``replaces`` naming no rule of the domain
+(upstream replaces nothing), a ``*`` in a key (upstream matches it as a wildcard over the joined
+``key_value`` string), a YAML merge key ``<<`` and a second YAML document (upstream reads the
+first only). ``load_config(..., upstream=True)`` reports all of them at once. Matching compares
+keys and values as they are; upstream joins them as ``key_value`` strings, so that ``("a_b",
+"c")`` can match a rule for ``a: b_c`` there; ``portable=True`` refuses the files in which two
+descriptors of a level would collide that way.
 """
 
 from __future__ import annotations
@@ -131,17 +142,44 @@ class LimitRule:
     #: ``charge_over_limit``: a hit is charged whatever the limit (``AsyncLimiter.charge``), for
     #: costs known once the work is done (Envoy's ``apply_on_stream_done``).
     charge_over_limit: bool = False
-    #: Per level of the rule's path: (key, value as written or None, value_to_metric).
-    metric_path: tuple[tuple[str, str | None, bool], ...] = field(default=(), repr=False)
+    #: Per level of the rule's path: (key, value as written or None, value_to_metric,
+    #: share_threshold).
+    metric_path: tuple[tuple[str, str | None, bool, bool], ...] = field(default=(), repr=False)
     #: The descriptor's ``metadata`` mapping (upstream's dynamic metadata), if any.
     metadata: Mapping[str, Any] | None = field(default=None, compare=False, repr=False)
+    #: ``quota_mode``: over its limit, this descriptor refuses the request only when every
+    #: quota descriptor of the request is over too (upstream's per-descriptor quota mode).
+    quota_mode: bool = False
     _values_in_stat_key: bool = field(default=False, init=False, compare=False, repr=False)
+    _shared: bool = field(default=False, init=False, compare=False, repr=False)
 
     def __post_init__(self) -> None:
-        # whether a level's value_to_metric puts request values in the stats key (once, not
-        # per decision)
-        values = any(level[2] for level in self.metric_path)
+        # once, not per decision: whether a level's value_to_metric puts request values in the
+        # stats key (share_threshold keeps the pattern there), and whether a level shares
+        values = any(level[2] and not level[3] for level in self.metric_path)
         object.__setattr__(self, "_values_in_stat_key", values)
+        object.__setattr__(self, "_shared", any(level[3] for level in self.metric_path))
+
+    @property
+    def share_threshold(self) -> bool:
+        """Whether a wildcard level of the rule's path has ``share_threshold``."""
+        return self._shared
+
+    def identity_for(self, entries: Sequence[tuple[str, str]]) -> str:
+        """The store identity of a request's descriptor that landed on this rule: each value
+        a ``share_threshold`` wildcard matched is replaced by the pattern, as upstream builds
+        its cache key, so every value the wildcard matches counts on one counter."""
+        if not self._shared:
+            return identity_of(self.domain, entries)
+        return identity_of(
+            self.domain,
+            [
+                (key, written if share and written is not None else value)
+                for (key, value), (_, written, _, share) in zip(
+                    entries, self.metric_path, strict=False
+                )
+            ],
+        )
 
     @property
     def denies_all(self) -> bool:
@@ -167,16 +205,23 @@ class LimitRule:
         return self.requests_per_unit, self.unit
 
     def stat_key_for(self, entries: Sequence[tuple[str, str]]) -> str:
-        """Upstream's stats key for a request's descriptor that landed on this rule: the
-        request's values with ``detailed_metric``, where ``value_to_metric`` says so, else
-        :attr:`stat_key`."""
-        if self.detailed_metric:
+        """Upstream's stats key for a request's descriptor that landed on this rule (the one
+        place it is built): the request's values with ``detailed_metric``, where
+        ``value_to_metric`` says so, else :attr:`stat_key`; a ``share_threshold`` level always
+        shows its pattern (upstream's priority over both flags)."""
+        if self.detailed_metric and not self._shared:
             return self.domain + "".join(f".{key}_{value}" for key, value in entries)
-        if not self._values_in_stat_key:
+        if not (self._values_in_stat_key or self.detailed_metric):
             return self.stat_key
         parts = [self.domain]
-        for (key, value), (_, written, to_metric) in zip(entries, self.metric_path, strict=False):
-            if written is None:
+        for (key, value), (_, written, to_metric, share) in zip(
+            entries, self.metric_path, strict=False
+        ):
+            if share:  # share_threshold: the pattern, whatever the other flags say
+                shown = written
+            elif self.detailed_metric:
+                shown = value
+            elif written is None:
                 shown = value if to_metric else ""
             elif "*" in written:
                 shown = value if to_metric else written
@@ -235,13 +280,15 @@ def _wildcard_match(parts: tuple[str, ...], fixed: int, value: str) -> bool:
 
 @dataclass(frozen=True)
 class DomainConfig:
-    """One domain: the file it came from and its descriptor tree."""
+    """One domain: the file it came from and its descriptor tree (with ``merge_domains``,
+    ``merged`` names the other files whose descriptors were merged into it)."""
 
     name: str
     source: str
     root: Level = field(repr=False)
     rules: int
     has_replaces: bool = field(repr=False)
+    merged: tuple[str, ...] = ()
 
     def rule_for(self, entries: Sequence[tuple[str, str]]) -> LimitRule | None:
         """The rule a descriptor lands on, before ``replaces`` (None: no limit)."""
@@ -319,6 +366,7 @@ class ServiceConfig:
                 {
                     "domain": config.name,
                     "source": config.source,
+                    **({"merged_from": list(config.merged)} if config.merged else {}),
                     "descriptors": [_dump(level) for level in _children(config.root)],
                 }
                 for config in sorted(self.domains.values(), key=lambda c: c.name)

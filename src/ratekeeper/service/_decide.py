@@ -7,7 +7,17 @@ As in envoyproxy/ratelimit, every descriptor of a request is decided, and counte
 another one is over its limit: the answer is OVER_LIMIT if any descriptor is. ratekeeper never
 writes a denial, so a descriptor over its limit is not charged (upstream counts it too); one
 within its limit is charged although the request as a whole is refused. A rule with
-``charge_over_limit`` is charged its hits whatever the limit (``AsyncLimiter.charge``).
+``charge_over_limit`` (or every rule, with the Decider's ``charge_over_limit``) is counted as
+upstream counts: a denied call's hits are added too (``AsyncLimiter.charge``), its answer
+still the hit's (OVER_LIMIT when its hits did not fit).
+
+On the wire, as upstream: ``duration_until_reset`` in whole seconds, rounded up (upstream's
+``unit - now % unit`` on whole seconds; ``exact_durations`` keeps the fraction), and the window's
+end for a fixed window that nothing was counted in yet (a peek) or a rule that denies all;
+the empty domain and the empty descriptor list refused with upstream's messages
+(:class:`UpstreamRefusal`, gRPC UNKNOWN), a descriptor without entries left unlimited;
+``shadow_mode`` (global) answers OK overall whatever the statuses say; ``dynamic_metadata``
+fills the response's ``dynamic_metadata`` as upstream's ``RESPONSE_DYNAMIC_METADATA`` does.
 
 Reservations (HTTP ``/reserve`` and ``/settle``): :meth:`Decider.reserve` decides a request as
 :meth:`Decider.should_rate_limit` does, reserving each descriptor's hits instead, and hands
@@ -23,7 +33,9 @@ import asyncio
 import logging
 import math
 import secrets
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import replace
 
 from .._decision import Decision
 from .._errors import ConfigError, StorageError
@@ -32,35 +44,47 @@ from .._limiter import AsyncLimiter
 from .._policy import Policy
 from .._rates import MAX_INT, Rate
 from .._reservation import AsyncReservation
-from ._config import LimitRule, ServiceConfig, identity_of, rule_policy_name
+from ._answer import (
+    UNLIMITED_REMAINING,
+    BadRequest,
+    UpstreamRefusal,
+    dynamic_metadata,
+    entries_of,
+    headline_of,
+    hits_of,
+    limit_message,
+    override_of,
+    quota_overall,
+    set_duration,
+    until_window_end,
+)
+from ._config import LimitRule, ServiceConfig, rule_policy_name
 from ._metrics import ServiceMetrics
 from ._tokens import TokenRefused, Tokens
+from ._upstream import limit_headers
 from .rls_pb2 import HeaderValue, RateLimitDescriptor, RateLimitRequest, RateLimitResponse
 
-__all__ = ["UNLIMITED_REMAINING", "BadRequest", "Decider"]
+__all__ = [
+    "DEFAULT_LIMIT_HEADERS",
+    "UNLIMITED_REMAINING",
+    "BadRequest",
+    "Decider",
+    "UpstreamRefusal",
+]
 
 log = logging.getLogger("ratekeeper.service")
 
-#: ``limit_remaining`` of an unlimited descriptor, as upstream answers (the largest uint32).
-UNLIMITED_REMAINING = 2**32 - 1
+#: Upstream's LIMIT_LIMIT_HEADER, LIMIT_REMAINING_HEADER and LIMIT_RESET_HEADER defaults.
+DEFAULT_LIMIT_HEADERS = ("RateLimit-Limit", "RateLimit-Remaining", "RateLimit-Reset")
 
 _OK = RateLimitResponse.OK
 _OVER_LIMIT = RateLimitResponse.OVER_LIMIT
 #: Descriptors of one request asked of the store together: one batched round trip of this
 #: many calls takes well under a millisecond on a healthy store (far below the 20 ms timeout).
 _ROUND = 64
-_RateLimit = RateLimitResponse.RateLimit
-_OverrideUnit = RateLimitDescriptor.RateLimitUnit
-#: Unit name -> the response's enum value (``Unit.Value`` is a Python-level lookup).
-_UNITS = dict(RateLimitResponse.RateLimit.Unit.items())
 #: How long after its token's lifetime a settled token stays marked in the store: room for the
 #: clocks of the replicas to differ.
 _CLOCK_SKEW = 60
-
-
-class BadRequest(ValueError):
-    """A request the service cannot decide: no domain, no descriptors, an empty entry, a bad
-    ``limit`` override. gRPC answers INVALID_ARGUMENT, HTTP 400."""
 
 
 class _Job:
@@ -79,56 +103,6 @@ class _Job:
         self.reservation: AsyncReservation | None = None  # one held, when reserving
 
 
-def _entries(descriptor: RateLimitDescriptor) -> list[tuple[str, str]]:
-    entries = [(entry.key, entry.value) for entry in descriptor.entries]
-    if not entries:
-        raise BadRequest("a descriptor has no entries")
-    for key, _ in entries:
-        if not key:
-            raise BadRequest("a descriptor entry has an empty key")
-    return entries
-
-
-def _override(descriptor: RateLimitDescriptor) -> tuple[int, str] | None:
-    """A descriptor's ``limit`` override as ``(requests_per_unit, unit name)``, or None."""
-    if not descriptor.HasField("limit"):
-        return None
-    limit = descriptor.limit
-    if limit.unit == _OverrideUnit.UNKNOWN:
-        raise BadRequest("a descriptor's limit override has no unit")
-    return limit.requests_per_unit, _OverrideUnit.Name(limit.unit)
-
-
-def _limit_message(rule: LimitRule, rate: Rate | None) -> RateLimitResponse.RateLimit:
-    """The ``current_limit`` of ``rule`` when ``rate`` decided: with several limits on one
-    rule, the one the decision names."""
-    requests, unit = rule.current_limit(rate)
-    limit = _RateLimit(requests_per_unit=min(requests, UNLIMITED_REMAINING), unit=_UNITS[unit])  # type: ignore[arg-type]
-    if rule.name:
-        limit.name = rule.name
-    return limit
-
-
-def _seconds(status: RateLimitResponse.DescriptorStatus, seconds: float) -> None:
-    # Duration.FromNanoseconds, without its Python-level normalising (never negative here)
-    whole, nanos = divmod(max(0, math.ceil(seconds * 1e9)), 1_000_000_000)
-    duration = status.duration_until_reset
-    duration.seconds = whole
-    duration.nanos = nanos
-
-
-def _headline(decisions: Sequence[Decision]) -> Decision | None:
-    """The decision the ``RateLimit`` headers describe: a denial with the longest wait, else
-    the store decision with the fewest units left; None when the store decided nothing."""
-    exact = [d for d in decisions if not d.degraded]
-    if not exact:
-        return None
-    denied = [d for d in exact if not d.allowed]
-    if denied:
-        return max(denied, key=lambda d: d.retry_after or 0.0)
-    return min(exact, key=lambda d: d.remaining)
-
-
 class Decider:
     """Decides ``RateLimitRequest`` messages on ``limiter`` under ``config``.
 
@@ -137,6 +111,18 @@ class Decider:
     adds the IETF ``RateLimit`` and ``RateLimit-Policy`` fields (and ``Retry-After`` on a
     denial) to ``response_headers_to_add``. ``tokens`` signs and reads reservation tokens (by
     default under a random key: only this Decider can read them).
+
+    Upstream's wire behaviour, each an option: ``exact_durations`` sends
+    ``duration_until_reset`` to the nanosecond instead of upstream's whole seconds;
+    ``shadow_mode`` (upstream's ``SHADOW_MODE``) answers OK overall whatever the descriptors'
+    statuses; ``dynamic_metadata`` (upstream's ``RESPONSE_DYNAMIC_METADATA``) fills the
+    response's ``dynamic_metadata``; ``charge_over_limit`` counts every rule's denied hits, as
+    upstream does by default; ``quota_mode`` (upstream's ``QUOTA_MODE``) puts every descriptor in
+    quota mode, as a rule's ``quota_mode`` does its own. ``clock`` (seconds since the epoch)
+    gives the time to a fixed window's end when the store has not said it (nothing counted
+    yet). ``limit_headers``
+    (upstream's ``LIMIT_RESPONSE_HEADERS_ENABLED``) names the limit, remaining and reset
+    headers added to ``response_headers_to_add`` (``_upstream.limit_headers``).
     """
 
     def __init__(
@@ -147,11 +133,25 @@ class Decider:
         metrics: ServiceMetrics | None = None,
         response_headers: bool = False,
         tokens: Tokens | None = None,
+        exact_durations: bool = False,
+        shadow_mode: bool = False,
+        dynamic_metadata: bool = False,
+        charge_over_limit: bool = False,
+        quota_mode: bool = False,
+        clock: Callable[[], float] = time.time,
+        limit_headers: tuple[str, str, str] | None = None,
     ) -> None:
         self.limiter = limiter
         self.config = config
         self.metrics = metrics
         self.response_headers = response_headers
+        self.exact_durations = exact_durations
+        self.shadow_mode = shadow_mode
+        self.dynamic_metadata = dynamic_metadata
+        self.charge_over_limit = charge_over_limit
+        self.quota_mode = quota_mode
+        self.clock = clock
+        self.limit_headers = limit_headers
         self.tokens = tokens if tokens is not None else Tokens(secrets.token_bytes(32))
         # A token's nonce is hit once under this policy: a second settle of it is denied.
         self._settled = Policy(
@@ -221,7 +221,7 @@ class Decider:
         marked = await self.limiter.hit(self._settled, held.nonce)
         if not marked.allowed and not marked.degraded:
             raise TokenRefused(409, "this reservation was settled or cancelled already")
-        identity = identity_of(held.domain, entries)
+        identity = rule.identity_for(entries)
         reservation = self.limiter.resume(policy, identity, held.estimate, held.stamp)
         if actual is not None:
             decision = await reservation.settle(actual)
@@ -263,26 +263,30 @@ class Decider:
             self._limits_of = config
         domain = request.domain
         if not domain:
-            raise BadRequest("the request has no domain")
+            raise UpstreamRefusal("rate limit domain must not be empty")
         descriptors = list(request.descriptors)
         if not descriptors:
-            raise BadRequest("the request has no descriptors")
-        entries = [_entries(descriptor) for descriptor in descriptors]
+            raise UpstreamRefusal("rate limit descriptor list must not be empty")
+        entries = [entries_of(descriptor) for descriptor in descriptors]
         overrides: list[tuple[int, str] | None] | None = None
         for descriptor in descriptors:
             if descriptor.HasField("limit"):
-                overrides = [_override(descriptor) for descriptor in descriptors]
+                overrides = [override_of(descriptor) for descriptor in descriptors]
                 break
         try:
             rules = config.resolve(domain, entries, overrides=overrides)
         except ConfigError as exc:  # an override the algorithm refuses
             raise BadRequest(f"a descriptor's limit override is invalid: {exc}") from None
+        if self.metrics is not None and domain not in config.domains:
+            self.metrics.domain_not_found(domain, len(descriptors))
         response = RateLimitResponse(overall_code=_OK)
         add = response.statuses.add
         statuses = [add(code=_OK) for _ in descriptors]
         jobs = self._jobs(request, descriptors, entries, overrides, rules, response, statuses)
         if not jobs:
-            return response, jobs
+            if self.limit_headers is not None:
+                response.response_headers_to_add.extend(limit_headers(statuses, self.limit_headers))
+            return self._finish(request, rules, response), jobs
         try:
             if len(jobs) == 1:
                 decisions = [await self._decide(jobs[0], reserving)]
@@ -296,12 +300,42 @@ class Decider:
             if self._status(domain, statuses[job.index], job, decision):
                 response.overall_code = _OVER_LIMIT
         if self.response_headers:
-            headline = _headline(decisions)
+            headline = headline_of(decisions)
             if headline is not None:
                 response.response_headers_to_add.extend(
                     HeaderValue(key=name, value=value) for name, value in response_headers(headline)
                 )
-        return response, jobs
+        if self.limit_headers is not None:
+            invented = frozenset(
+                job.index for job, d in zip(jobs, decisions, strict=True) if d.degraded
+            )
+            response.response_headers_to_add.extend(
+                limit_headers(statuses, self.limit_headers, invented)
+            )
+        return self._finish(request, rules, response), jobs
+
+    def _finish(
+        self,
+        request: RateLimitRequest,
+        rules: Sequence[LimitRule | None],
+        response: RateLimitResponse,
+    ) -> RateLimitResponse:
+        """The options applied to the whole response: quota mode, dynamic metadata, global
+        shadow mode."""
+        if self.quota_mode or any(rule is not None and rule.quota_mode for rule in rules):
+            response.overall_code = quota_overall(rules, response.statuses, self.quota_mode)
+        if self.dynamic_metadata:
+            statuses = response.statuses
+            passed = [  # as upstream: an unlimited descriptor's metadata is not sent
+                rule
+                for rule, status in zip(rules, statuses, strict=True)
+                if status.code != _OVER_LIMIT and (rule is None or not rule.unlimited)
+            ]
+            response.dynamic_metadata.update(dynamic_metadata(request, passed))
+        if self.shadow_mode and response.overall_code == _OVER_LIMIT:
+            # upstream's SHADOW_MODE: the statuses still say which descriptor is over
+            response.overall_code = _OK
+        return response
 
     def _jobs(
         self,
@@ -327,16 +361,18 @@ class Decider:
             own = override is None  # a rule of the configuration
             if rule.policy is None:  # requests_per_unit 0: upstream denies every request
                 status.current_limit.CopyFrom(self._limit(rule, None, own))
+                # upstream says when the unit's window ends
+                until = until_window_end(rule.window, self.clock())
+                set_duration(status, until, self.exact_durations)
                 if not rule.shadow_mode:
                     status.code = _OVER_LIMIT
                     response.overall_code = _OVER_LIMIT
+                if self.metrics is not None:
+                    hits = hits_of(request, descriptors[index])
+                    self.metrics.denied_all(domain, rule.stat_key_for(entries[index]), rule, hits)
                 continue
-            descriptor = descriptors[index]
-            if descriptor.HasField("hits_addend"):
-                hits = descriptor.hits_addend.value
-            else:
-                hits = request.hits_addend or 1
-            job = _Job(index, rule, identity_of(domain, entries[index]), min(hits, MAX_INT), own)
+            hits = hits_of(request, descriptors[index])
+            job = _Job(index, rule, rule.identity_for(entries[index]), min(hits, MAX_INT), own)
             job.entries = entries[index]
             job.override = override
             jobs.append(job)
@@ -346,10 +382,10 @@ class Decider:
         """``rule``'s ``current_limit`` message; built once per rule of the configuration
         that has one limit (it never changes), each time for an override or several limits."""
         if not own or len(rule.limits) > 1:
-            return _limit_message(rule, rate)
+            return limit_message(rule, rate)
         cached = self._limits.get(id(rule))
         if cached is None or cached[0] is not rule:
-            cached = self._limits[id(rule)] = (rule, _limit_message(rule, None))
+            cached = self._limits[id(rule)] = (rule, limit_message(rule, None))
         return cached[1]
 
     def _status(
@@ -367,18 +403,24 @@ class Decider:
         rule = job.rule
         status.current_limit.CopyFrom(self._limit(rule, decision.rate, job.own))
         over = not decision.allowed and job.hits > 0
+        exact = self.exact_durations
         if decision.degraded:
             if over:
                 status.code = _OVER_LIMIT
                 if decision.retry_after is not None and math.isfinite(decision.retry_after):
-                    _seconds(status, decision.retry_after)
+                    set_duration(status, decision.retry_after, exact)
         else:
             status.limit_remaining = 0 if over else max(0, decision.remaining)
-            _seconds(status, decision.reset_after)
+            until = decision.reset_after
+            if until <= 0 and rule.policy is not None and rule.policy.algorithm == "fixed_window":
+                # nothing counted in the window yet (a peek): it still ends on the clock
+                until = until_window_end(decision.rate.period_ms / 1000, self.clock())
+            set_duration(status, until, exact)
             if over and not rule.shadow_mode:
                 status.code = _OVER_LIMIT
         if counted and self.metrics is not None:
-            self.metrics.decided(domain, rule.stat_key_for(job.entries), rule, decision, over)
+            stat_key = rule.stat_key_for(job.entries)
+            self.metrics.decided(domain, stat_key, rule, decision, over, job.hits)
         return status.code == _OVER_LIMIT
 
     async def _decide_all(self, jobs: list[_Job], reserving: bool) -> list[Decision]:
@@ -410,11 +452,18 @@ class Decider:
                 if reservation.held:
                     job.reservation = reservation
                 return reservation.decision
-            if job.rule.charge_over_limit:
-                # Work done (Envoy's apply_on_stream_done): counted whatever the limit; the
-                # decision after it, for a next unit.
-                return await self.limiter.charge(policy, job.identity, job.hits)
-            return await self.limiter.hit(policy, job.identity, job.hits)
+            decision = await self.limiter.hit(policy, job.identity, job.hits)
+            if decision.allowed or decision.degraded:
+                return decision
+            if job.rule.charge_over_limit or self.charge_over_limit:
+                # Counted although denied, as upstream counts (and as a response-phase cost,
+                # Envoy's apply_on_stream_done, must be: the work is done). The answer stays
+                # the hit's: over the limit, with where the descriptor stands after the charge.
+                charged = await self.limiter.charge(policy, job.identity, job.hits)
+                if charged.allowed:  # refunds in between made room for a next unit
+                    return replace(charged, allowed=False, retry_after=decision.retry_after)
+                return charged
+            return decision
         except StorageError:
             if self.metrics is not None:
                 self.metrics.unavailable()

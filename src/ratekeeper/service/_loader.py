@@ -3,6 +3,12 @@ model of ``_config``, refusing any mistake with a :class:`ConfigFileError` that 
 ``path:line:column`` (the first one found: files are checked in name order, each from the top,
 and loading stops there). Pure: it reads files and does no other I/O. What the format is, and
 where this loader is stricter than upstream, is in ``_config``'s docstring.
+
+With ``upstream=True`` (``ratekeeper serve --check PATH --upstream``), what envoyproxy/ratelimit
+loads leniently and this loader refuses (``UPSTREAM_LENIENT``) does not stop the loading: every
+such place is collected, read with upstream's meaning, and all are raised at the end together
+(:class:`UpstreamLenient`), each naming what upstream does there and the fix. Other mistakes,
+which upstream refuses too, still stop at the first.
 """
 
 from __future__ import annotations
@@ -18,28 +24,35 @@ import yaml
 from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
 
 from .._errors import ConfigError
-from .._policy import Policy
-from .._rates import Rate
 from ._config import (
-    DEFAULT_ALGORITHM,
     MAX_NODES,
-    MAX_REQUESTS_PER_UNIT,
-    SERVICE_ALGORITHMS,
-    UNIT_NAMES,
-    UNITS,
     ConfigFileError,
     DomainConfig,
     Level,
-    LimitRule,
     ServiceConfig,
-    rule_policy_name,
+    _children,
 )
-from ._yaml_nodes import COMPOSER, NULL, Nodes, kind, read
+from ._rule_nodes import RATE_LIMIT_EXTENSIONS, RATE_LIMIT_KEYS, Domain, RuleNodes
+from ._yaml_nodes import COMPOSER, NULL, kind, read
 
 if TYPE_CHECKING:
-    from ..typing import Algorithm
+    pass
 
-__all__ = ["check_config", "load_config"]
+__all__ = ["UPSTREAM_LENIENT", "UpstreamLenient", "check_config", "load_config"]
+
+#: What envoyproxy/ratelimit loads and this loader refuses, each a silent mistake there: the
+#: message of each refusal names upstream's behaviour and the fix.
+UPSTREAM_LENIENT = (
+    "one of upstream's keys out of place (e.g. shadow_mode inside rate_limit): ignored there",
+    "a mapping key written twice: the last one kept",
+    "a YAML merge key '<<': the aliased mapping merged in",
+    "a second YAML document in a file: ignored",
+    "rate_limit without requests_per_unit: 0, every request denied",
+    "unlimited: true with requests_per_unit: the number ignored",
+    "replaces naming no rule of the domain: nothing replaced",
+    "a '*' in a key: a wildcard over the joined key_value string",
+    "(a directory) files that are not *.yaml or *.yml, and subdirectories: read as configuration",
+)
 
 # The keys of each mapping: upstream's, then ratekeeper's extensions (refused when portable).
 _ROOT_KEYS = frozenset({"domain", "descriptors"})
@@ -57,64 +70,108 @@ _DESCRIPTOR_KEYS = frozenset(
         "metadata",
     }
 )
-_RATE_LIMIT_KEYS = frozenset({"unit", "requests_per_unit", "unlimited", "name", "replaces"})
-_RATE_LIMIT_EXTENSIONS = frozenset(
-    {"algorithm", "burst", "unit_multiplier", "limits", "charge_over_limit"}
-)
-_LIMIT_ITEM_KEYS = frozenset({"unit", "requests_per_unit", "unit_multiplier"})
-_REPLACES_KEYS = frozenset({"name"})
+#: Every key envoyproxy/ratelimit knows (it accepts each of them anywhere).
+_UPSTREAM_KEYS = _ROOT_KEYS | _DESCRIPTOR_KEYS | RATE_LIMIT_KEYS
+#: A descriptor's boolean keys.
+_FLAGS = ("shadow_mode", "quota_mode", "share_threshold", "detailed_metric", "value_to_metric")
 # Where a key that is valid elsewhere belongs, for the error about a misplaced one.
 _PLACE = {
     **dict.fromkeys(_ROOT_KEYS - {"descriptors"}, "the top level of the file"),
     **dict.fromkeys(_DESCRIPTOR_KEYS - {"descriptors"}, "a descriptor"),
-    **dict.fromkeys(_RATE_LIMIT_KEYS | _RATE_LIMIT_EXTENSIONS, "rate_limit"),
+    **dict.fromkeys(RATE_LIMIT_KEYS | RATE_LIMIT_EXTENSIONS, "rate_limit"),
+    "descriptors": "a descriptor or the top level",
 }
 
 
-def load_config(path: str | os.PathLike[str], *, portable: bool = False) -> ServiceConfig:
+class UpstreamLenient(ConfigError):
+    """Places of a configuration that envoyproxy/ratelimit loads leniently and ratekeeper
+    refuses, all of them (``errors``, in file order): what ``--check --upstream`` reports."""
+
+    def __init__(self, errors: list[ConfigFileError]) -> None:
+        self.errors = tuple(errors)
+        files = len({error.path for error in errors})
+        super().__init__(
+            "\n".join(str(error) for error in errors)
+            + f"\n{len(errors)} place{'s' if len(errors) != 1 else ''} in {files} "
+            f"file{'s' if files != 1 else ''} that envoyproxy/ratelimit loads leniently, "
+            "refused by ratekeeper serve (each line says what upstream does and the fix)"
+        )
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (list(self.errors),))
+
+
+def load_config(
+    path: str | os.PathLike[str],
+    *,
+    portable: bool = False,
+    merge_domains: bool = False,
+    upstream: bool = False,
+) -> ServiceConfig:
     """Load a YAML file, or every ``*.yaml``/``*.yml`` file of a directory (one domain each).
 
     In a directory, entries whose names start with a dot are skipped (Kubernetes ConfigMap
     volumes keep their real files in ``..data`` and ``..<timestamp>`` and link the visible names
     to them), as are subdirectories and other files; the files load in name order. A domain may
-    appear in one file only. ``portable=True`` refuses every ratekeeper extension.
+    appear in one file only, unless ``merge_domains`` (upstream's ``MERGE_DOMAIN_CONFIG``):
+    then the top-level descriptors of its files are merged, and one in two of them is refused.
+    ``portable=True`` refuses every ratekeeper extension. ``upstream=True`` collects what
+    upstream loads leniently and raises it all at the end (:class:`UpstreamLenient`); it also
+    names the entries of a directory that upstream would read and this loader skips.
     """
     root = Path(os.fspath(path))
+    findings: list[ConfigFileError] | None = [] if upstream else None
     if root.is_dir():
-        files = sorted(
-            entry
-            for entry in root.iterdir()
-            if not entry.name.startswith(".")
-            and entry.suffix in (".yaml", ".yml")
-            and entry.is_file()
-        )
+        files = []
+        for entry in sorted(root.iterdir()):
+            if entry.name.startswith("."):
+                continue
+            if entry.suffix in (".yaml", ".yml") and entry.is_file():
+                files.append(entry)
+            elif findings is not None:
+                if entry.is_dir():
+                    what = (
+                        "a subdirectory, skipped by ratekeeper serve: envoyproxy/ratelimit's "
+                        "runtime loader reads the files under it as configuration too; move "
+                        "them up (as *.yaml), or out of the directory"
+                    )
+                else:
+                    what = (
+                        "not a *.yaml or *.yml file, skipped by ratekeeper serve: "
+                        "envoyproxy/ratelimit's runtime loader reads every file of the "
+                        "directory as configuration; rename it to *.yaml, or move it out"
+                    )
+                findings.append(ConfigFileError(str(entry), 1, 1, what))
     elif root.is_file():
         files = [root]
     else:
         raise ConfigError(f"{os.fspath(path)}: no such configuration file or directory")
-    domains: dict[str, DomainConfig] = {}
-    first_seen: dict[str, str] = {}
+    domains = _Domains(merge_domains)
     for file in files:
         source = str(file)
-        loader = _FileLoader(source, portable)
-        config, domain_node = loader.load(read(source))
-        if config.name in domains:
-            raise loader.error(
-                domain_node,
-                f"duplicate domain {config.name!r}: already defined at {first_seen[config.name]}",
-            )
-        domains[config.name] = config
-        first_seen[config.name] = loader.where(domain_node)
-    return ServiceConfig(MappingProxyType(domains), tuple(str(file) for file in files))
+        loader = _FileLoader(source, portable, findings, domains)
+        loader.load(read(source))
+    config = domains.finish()
+    if findings:
+        raise UpstreamLenient(sorted(findings, key=lambda e: (e.path, e.line, e.column)))
+    return config
 
 
-def check_config(path: str | os.PathLike[str], *, portable: bool = False) -> str:
-    """What ``ratekeeper serve --check PATH [--portable]`` prints: a summary of a valid
-    configuration. A mistake raises ConfigFileError (``path:line:column: what``)."""
-    config = load_config(path, portable=portable)
+def check_config(
+    path: str | os.PathLike[str],
+    *,
+    portable: bool = False,
+    merge_domains: bool = False,
+    upstream: bool = False,
+) -> str:
+    """What ``ratekeeper serve --check PATH [--portable] [--merge-domain-config] [--upstream]``
+    prints: a summary of a valid configuration. A mistake raises ConfigFileError
+    (``path:line:column: what``); with ``upstream``, what upstream loads leniently raises
+    :class:`UpstreamLenient`, every place at once."""
+    config = load_config(path, portable=portable, merge_domains=merge_domains, upstream=upstream)
     rules = sum(domain.rules for domain in config.domains.values())
     lines = [
-        f"{domain.source}: domain {domain.name!r}, {domain.rules} "
+        f"{' + '.join((domain.source, *domain.merged))}: domain {domain.name!r}, {domain.rules} "
         f"rule{'s' if domain.rules != 1 else ''}"
         for domain in sorted(config.domains.values(), key=lambda d: d.source)
     ]
@@ -127,30 +184,107 @@ def check_config(path: str | os.PathLike[str], *, portable: bool = False) -> str
     return "\n".join(lines)
 
 
-class _FileLoader(Nodes):
+class _Domains:
+    """The domains of every file, merged when ``merge`` (else a second definition is refused)."""
+
+    def __init__(self, merge: bool) -> None:
+        self.merge = merge
+        self.domains: dict[str, Domain] = {}
+        self.sources: list[str] = []
+        self.order = 0  # file order of the descriptors, across files (GET /rlconfig)
+
+    def open(self, loader: _FileLoader, name: str, node: Node) -> Domain:
+        self.sources.append(loader.source)
+        domain = self.domains.get(name)
+        if domain is None:
+            domain = self.domains[name] = Domain(name, loader.source, loader.where(node))
+        elif not self.merge:
+            raise loader.error(
+                node,
+                f"duplicate domain {name!r}: already defined at {domain.where} (as "
+                "envoyproxy/ratelimit, unless its MERGE_DOMAIN_CONFIG is set: give "
+                "--merge-domain-config to merge the files' descriptors into one domain)",
+            )
+        elif loader.source not in (domain.source, *domain.merged):
+            domain.merged.append(loader.source)
+        return domain
+
+    def finish(self) -> ServiceConfig:
+        configs = {}
+        for domain in self.domains.values():
+            for target, node, loader in domain.replaced:
+                if target not in domain.names:
+                    loader.lenient(
+                        node,
+                        f"replaces {target!r}, but no rate_limit of domain {domain.name!r} is "
+                        f"named {target!r}: envoyproxy/ratelimit replaces nothing then; correct "
+                        "the name, or remove the entry",
+                    )
+            configs[domain.name] = DomainConfig(
+                domain.name,
+                domain.source,
+                domain.root,
+                domain.rules,
+                bool(domain.replaced),
+                tuple(domain.merged),
+            )
+        return ServiceConfig(MappingProxyType(configs), tuple(self.sources))
+
+
+def _second_document(text: str) -> yaml.Mark:
+    """Where a file's second YAML document starts (as the composer says)."""
+    try:
+        yaml.compose(text, Loader=COMPOSER)
+    except yaml.MarkedYAMLError as exc:
+        if exc.problem_mark is not None:
+            return exc.problem_mark
+    return yaml.Mark("", 0, 0, 0, None, 0)
+
+
+class _FileLoader(RuleNodes):
     """Validates one file's composed YAML nodes and builds its domain."""
 
     PLACE = _PLACE
+    UPSTREAM = _UPSTREAM_KEYS
 
-    def __init__(self, source: str, portable: bool) -> None:
-        super().__init__(source, portable)
-        self.order = 0
+    def __init__(
+        self,
+        source: str,
+        portable: bool,
+        findings: list[ConfigFileError] | None,
+        domains: _Domains,
+    ) -> None:
+        super().__init__(source, portable, findings)
+        self.domains = domains
         self.nodes = 0
-        self.rules = 0
-        self.names: set[str] = set()
-        self.replaced: list[tuple[str, Node]] = []
 
-    def load(self, text: str) -> tuple[DomainConfig, Node]:
+    def load(self, text: str) -> None:
         try:
-            return self.domain(text)
+            self.domain(text)
         except RecursionError:  # a recursive alias (&a [*a]) or absurd nesting
             raise ConfigFileError(
                 self.source, 1, 1, "the YAML nests too deeply (or an alias contains itself)"
             ) from None
 
-    def domain(self, text: str) -> tuple[DomainConfig, Node]:
+    def compose(self, text: str) -> Node | None:
+        """The file's document; a second one is refused (upstream reads the first only)."""
+        composer = COMPOSER(text)
         try:
-            document = yaml.compose(text, Loader=COMPOSER)
+            document = composer.get_node() if composer.check_node() else None
+            if composer.check_node():
+                self.lenient(
+                    _second_document(text),
+                    "expected a single document in the stream, but found another document: "
+                    "envoyproxy/ratelimit reads the first document only and ignores this one; "
+                    "put each domain in a file of its own",
+                )
+            return cast("Node | None", document)
+        finally:
+            composer.dispose()
+
+    def domain(self, text: str) -> None:
+        try:
+            document = self.compose(text)
         except yaml.MarkedYAMLError as exc:
             mark = exc.problem_mark or exc.context_mark
             problem = ", ".join(p for p in (exc.context, exc.problem) if p) or "invalid YAML"
@@ -170,27 +304,25 @@ class _FileLoader(Nodes):
         domain = self.text(domain_node, "domain")
         if not domain:
             raise self.error(domain_node, "the domain must not be empty")
-        root = Level("", None)
+        self.current = self.domains.open(self, domain, domain_node)
         if "descriptors" in entries:
-            self.level(root, domain, (), entries["descriptors"][1])
-        for name, node in self.replaced:
-            if name not in self.names:
-                raise self.error(
-                    node,
-                    f"replaces {name!r}, but no rate_limit of domain {domain!r} is named {name!r}",
-                )
-        config = DomainConfig(domain, self.source, root, self.rules, bool(self.replaced))
-        return config, domain_node
+            self.level(self.current.root, domain, (), entries["descriptors"][1])
 
     def level(
         self,
         parent: Level,
         domain: str,
-        path: tuple[tuple[str, str | None, bool], ...],
+        path: tuple[tuple[str, str | None, bool, bool], ...],
         node: Node,
     ) -> None:
-        seen: dict[tuple[str, str | None], Node] = {}
-        upstream_keys: dict[str, Node] = {}
+        # what the level holds already (a merged domain's other files): where each was defined
+        seen: dict[tuple[str, str | None], str] = {
+            (child.key, child.value): child.spec["_where"] for child in _children(parent)
+        }
+        upstream_keys: dict[str, str] = {
+            (f"{key}_{value}" if value is not None else key): where
+            for (key, value), where in seen.items()
+        }
         for item in self.sequence(node, "descriptors"):
             self.count(item)
             entries = self.mapping(item, "a descriptor", _DESCRIPTOR_KEYS)
@@ -201,45 +333,41 @@ class _FileLoader(Nodes):
             if not key:
                 raise self.error(key_node, "the descriptor key must not be empty")
             if "*" in key:
-                raise self.error(
-                    key_node, "a key cannot hold '*': wildcards go in 'value' (e.g. value: 'foo*')"
+                self.lenient(
+                    key_node,
+                    "a key cannot hold '*': envoyproxy/ratelimit matches it as a wildcard over "
+                    "the joined 'key_value' string (key 'a*' with value 'b' matches key 'ax' "
+                    "with value 'b', and key 'a' with value 'x_b'); put wildcards in 'value' "
+                    "(e.g. value: 'foo*')",
                 )
             value = self.text(entries["value"][1], "value") if "value" in entries else None
             value = value or None  # upstream reads an empty value as no value: the key alone
             where = key_node if "value" not in entries else entries["value"][1]
-            if (key, value) in seen:
-                shown = f"key {key!r} value {value!r}" if value is not None else f"key {key!r}"
-                raise self.error(
-                    where,
-                    f"duplicate descriptor {shown} at this level "
-                    f"(first at {self.where(seen[key, value])})",
-                )
-            seen[key, value] = where
-            if self.portable:
-                joined = f"{key}_{value}" if value is not None else key
-                if joined in upstream_keys:
-                    raise self.error(
-                        where,
-                        f"envoyproxy/ratelimit joins key and value as {joined!r}, as it does "
-                        f"the descriptor at {self.where(upstream_keys[joined])}, and would "
-                        "refuse the file (portable mode)",
-                    )
-                upstream_keys[joined] = where
+            self.unique(seen, upstream_keys, key, value, where)
 
-            flags = self.flags(entries)
+            flags = self.flags(entries, value)
             metadata: Mapping[str, Any] | None = None
             if "metadata" in entries:
                 metadata = self.metadata(entries["metadata"][1])
 
             level = Level(key, value)
-            self.order += 1
-            level.spec["_order"] = self.order
-            for name in ("shadow_mode", "detailed_metric", "value_to_metric"):
+            self.domains.order += 1
+            level.spec["_order"] = self.domains.order
+            level.spec["_where"] = self.where(where)
+            for name in _FLAGS:
                 if flags.get(name):
                     level.spec[name] = True
             if metadata is not None:
                 level.spec["metadata"] = dict(metadata)
-            here = (*path, (key, value, flags.get("value_to_metric", False)))
+            here = (
+                *path,
+                (
+                    key,
+                    value,
+                    flags.get("value_to_metric", False),
+                    flags.get("share_threshold", False),
+                ),
+            )
             if "rate_limit" in entries:
                 rate_node = entries["rate_limit"][1]
                 if not (isinstance(rate_node, ScalarNode) and rate_node.tag == NULL):
@@ -249,6 +377,7 @@ class _FileLoader(Nodes):
                         here,
                         shadow_mode=flags.get("shadow_mode", False),
                         detailed_metric=flags.get("detailed_metric", False),
+                        quota_mode=flags.get("quota_mode", False),
                         metadata=metadata,
                     )
             if "descriptors" in entries:
@@ -263,26 +392,43 @@ class _FileLoader(Nodes):
             else:
                 parent.exact[key, value] = level
 
-    def flags(self, entries: dict[str, tuple[Node, Node]]) -> dict[str, bool]:
-        """A descriptor's boolean keys; the unsupported ones may only be false."""
-        flags: dict[str, bool] = {
-            name: self.flag(entries[name][1], name)
-            for name in (
-                "shadow_mode",
-                "detailed_metric",
-                "value_to_metric",
-                "quota_mode",
-                "share_threshold",
+    def unique(
+        self,
+        seen: dict[tuple[str, str | None], str],
+        upstream_keys: dict[str, str],
+        key: str,
+        value: str | None,
+        where: Node,
+    ) -> None:
+        """Refuse a descriptor that its level holds already (``seen``; with ``portable``, one
+        upstream would join into the same ``key_value``), and note this one."""
+        if (key, value) in seen:
+            shown = f"key {key!r} value {value!r}" if value is not None else f"key {key!r}"
+            raise self.error(
+                where, f"duplicate descriptor {shown} at this level (first at {seen[key, value]})"
             )
-            if name in entries
-        }
-        for name in ("quota_mode", "share_threshold"):
-            if flags.get(name):
+        seen[key, value] = self.where(where)
+        if self.portable:
+            joined = f"{key}_{value}" if value is not None else key
+            if joined in upstream_keys:
                 raise self.error(
-                    entries[name][1],
-                    f"{name}: true is not supported by ratekeeper serve (refused rather "
-                    "than ignored)",
+                    where,
+                    f"envoyproxy/ratelimit joins key and value as {joined!r}, as it does "
+                    f"the descriptor at {upstream_keys[joined]}, and would "
+                    "refuse the file (portable mode)",
                 )
+            upstream_keys[joined] = self.where(where)
+
+    def flags(self, entries: dict[str, tuple[Node, Node]], value: str | None) -> dict[str, bool]:
+        """A descriptor's boolean keys; ``share_threshold`` needs a wildcard value (upstream
+        refuses it elsewhere too)."""
+        flags = {name: self.flag(entries[name][1], name) for name in _FLAGS if name in entries}
+        if flags.get("share_threshold") and (value is None or "*" not in value):
+            raise self.error(
+                entries["share_threshold"][1],
+                "share_threshold: true needs a wildcard value (containing '*'): the values it "
+                "matches share one counter (envoyproxy/ratelimit refuses it too)",
+            )
         return flags
 
     def metadata(self, node: Node) -> Mapping[str, Any]:
@@ -312,9 +458,10 @@ class _FileLoader(Nodes):
             for key_node, value_node in node.value:
                 key = (key_node.tag, key_node.value) if isinstance(key_node, ScalarNode) else None
                 if key is not None and key in seen:
-                    raise self.error(
+                    self.lenient(
                         key_node,
-                        f"duplicate key {key_node.value!r} (first at {self.where(seen[key])})",
+                        f"duplicate key {key_node.value!r} (first at {self.where(seen[key])}): "
+                        "envoyproxy/ratelimit silently keeps the last one; remove one of them",
                     )
                 if key is not None:
                     seen[key] = key_node
@@ -322,172 +469,3 @@ class _FileLoader(Nodes):
         elif isinstance(node, SequenceNode):
             for item in node.value:
                 self.no_duplicates(item)
-
-    def rule(
-        self,
-        node: Node,
-        domain: str,
-        path: tuple[tuple[str, str | None, bool], ...],
-        *,
-        shadow_mode: bool,
-        detailed_metric: bool,
-        metadata: Mapping[str, Any] | None,
-    ) -> LimitRule:
-        entries = self.mapping(node, "rate_limit", _RATE_LIMIT_KEYS, _RATE_LIMIT_EXTENSIONS)
-        given = {
-            name: pair
-            for name, pair in entries.items()
-            if not (isinstance(pair[1], ScalarNode) and pair[1].tag == NULL)
-        }
-        unlimited = self.flag(given["unlimited"][1], "unlimited") if "unlimited" in given else False
-        name = self.text(given["name"][1], "name") if "name" in given else None
-        name = name or None
-        replaces = self.replaces(given["replaces"][1], name) if "replaces" in given else ()
-        if name is not None:
-            self.names.add(name)
-        self.rules += 1
-        stat_key = ".".join([domain, *(f"{k}_{v}" if v is not None else k for k, v, _ in path)])
-        common: dict[str, Any] = {
-            "name": name,
-            "shadow_mode": shadow_mode,
-            "detailed_metric": detailed_metric,
-            "replaces": replaces,
-            "stat_key": stat_key,
-            "domain": domain,
-            "metric_path": path,
-            "metadata": metadata,
-        }
-        if unlimited:
-            for other in ("unit", "requests_per_unit", *sorted(_RATE_LIMIT_EXTENSIONS)):
-                if other in given:
-                    raise self.error(
-                        given[other][0], f"unlimited: true takes no {other} (remove one of them)"
-                    )
-            return LimitRule(
-                unlimited=True, policy=None, unit="UNKNOWN", requests_per_unit=0, **common
-            )
-
-        if "limits" in given:
-            for other in ("unit", "requests_per_unit", "unit_multiplier"):
-                if other in given:
-                    raise self.error(
-                        given[other][0],
-                        f"rate_limit has 'limits': give {other} in each item of the list, "
-                        "not beside it",
-                    )
-            items = self.sequence(given["limits"][1], "limits")
-            if not items:
-                raise self.error(given["limits"][1], "limits must list at least one limit")
-            limits = [self.limit(item, node, in_list=True) for item in items]
-        else:
-            limits = [self.limit(node, node, in_list=False)]
-
-        algorithm = DEFAULT_ALGORITHM
-        if "algorithm" in given:
-            algo_node = given["algorithm"][1]
-            algorithm = self.text(algo_node, "algorithm") or ""
-            if algorithm == "concurrency":
-                raise self.error(
-                    algo_node,
-                    "algorithm 'concurrency' counts requests in flight and needs to hear when "
-                    "each ends, which a rate limit service never does: choose one of "
-                    + ", ".join(SERVICE_ALGORITHMS),
-                )
-            if algorithm not in SERVICE_ALGORITHMS:
-                raise self.error(
-                    algo_node,
-                    f"unknown algorithm {algorithm!r}: choose one of "
-                    f"{', '.join(SERVICE_ALGORITHMS)}",
-                )
-        burst = None
-        if "burst" in given:
-            burst = self.integer(given["burst"][1], "burst", 1, 2**53)
-
-        first_requests, first_unit, _ = limits[0][0]
-        if first_requests == 0:
-            for other in ("algorithm", "burst", "charge_over_limit"):
-                if other in given:
-                    raise self.error(
-                        given[other][0],
-                        f"requests_per_unit: 0 denies every request: {other} does not apply",
-                    )
-            policy = None
-        else:
-            policy_name = rule_policy_name("", stat_key, domain, [[k, v] for k, v, _ in path])
-            try:
-                rates = [
-                    Rate(requests, UNITS[unit] * multiplier)
-                    for (requests, unit, multiplier), _ in limits
-                ]
-                policy = Policy(policy_name, rates, cast("Algorithm", algorithm), burst=burst)
-            except ConfigError as exc:
-                message = str(exc).replace(f"policy {policy_name!r}: ", "")
-                where = given["burst"][1] if burst is not None and "burst" in message else node
-                if "limits" in given and "share the period" in message:
-                    where = given["limits"][1]
-                raise self.error(where, message) from None
-        return LimitRule(
-            unlimited=False,
-            policy=policy,
-            unit=first_unit,
-            requests_per_unit=first_requests,
-            limits=tuple(limit for limit, _ in limits),
-            charge_over_limit="charge_over_limit" in given
-            and self.flag(given["charge_over_limit"][1], "charge_over_limit"),
-            **common,
-        )
-
-    def replaces(self, node: Node, name: str | None) -> tuple[str, ...]:
-        replaces = []
-        for item in self.sequence(node, "replaces"):
-            if isinstance(item, ScalarNode):
-                raise self.error(
-                    item, f"a replaces entry is a mapping, as '- name: {item.value}', not a string"
-                )
-            replaced = self.mapping(item, "a replaces entry", _REPLACES_KEYS)
-            target_node = replaced["name"][1] if "name" in replaced else item
-            target = self.text(target_node, "name") if "name" in replaced else None
-            if not target:
-                raise self.error(target_node, "a replaces entry needs a non-empty name")
-            if target == name:
-                raise self.error(target_node, f"the rule {name!r} replaces itself")
-            replaces.append(target)
-            self.replaced.append((target, target_node))
-        return tuple(replaces)
-
-    def limit(
-        self, node: Node, rule_node: Node, *, in_list: bool
-    ) -> tuple[tuple[int, str, int], Node]:
-        """One limit: (requests_per_unit, UNIT, unit_multiplier) and its node."""
-        if in_list:
-            entries = self.mapping(node, "an item of limits", _LIMIT_ITEM_KEYS)
-        else:
-            entries = self.mapping(node, "rate_limit", _RATE_LIMIT_KEYS, _RATE_LIMIT_EXTENSIONS)
-        entries = {
-            name: pair
-            for name, pair in entries.items()
-            if not (isinstance(pair[1], ScalarNode) and pair[1].tag == NULL)
-        }
-        if "unit" not in entries:
-            raise self.error(node, f"missing 'unit' ({UNIT_NAMES})")
-        unit_node = entries["unit"][1]
-        written = self.text(unit_node, "unit") or ""
-        unit = written.upper()
-        if unit not in UNITS:
-            raise self.error(unit_node, f"invalid rate limit unit {written!r}: use {UNIT_NAMES}")
-        if "requests_per_unit" not in entries:
-            raise self.error(
-                node,
-                "missing 'requests_per_unit' (envoyproxy/ratelimit would read 0 and deny every "
-                "request; write requests_per_unit: 0 if that is meant)",
-            )
-        low = 1 if in_list else 0
-        requests = self.integer(
-            entries["requests_per_unit"][1], "requests_per_unit", low, MAX_REQUESTS_PER_UNIT
-        )
-        multiplier = 1
-        if "unit_multiplier" in entries:
-            multiplier = self.integer(
-                entries["unit_multiplier"][1], "unit_multiplier", 1, 1_000_000
-            )
-        return (requests, unit, multiplier), node

@@ -71,6 +71,7 @@ class ConfigWatcher:
         *,
         interval: float = 0.25,
         portable: bool = False,
+        merge_domains: bool = False,
         on_result: Callable[[bool], None] | None = None,
     ) -> None:
         if not interval > 0:
@@ -79,6 +80,7 @@ class ConfigWatcher:
         self.apply = apply
         self.interval = interval
         self.portable = portable
+        self.merge_domains = merge_domains
         self.on_result = on_result
         self.generation = 0
         self.failures = 0
@@ -91,7 +93,7 @@ class ConfigWatcher:
         """The first load, before serving: an error here is raised (the server does not start
         on a bad configuration)."""
         seen = fingerprint(self.path)
-        config = load_config(self.path, portable=self.portable)
+        config = load_config(self.path, portable=self.portable, merge_domains=self.merge_domains)
         self._seen = seen
         self.apply(config)
         self.generation = 1
@@ -105,7 +107,12 @@ class ConfigWatcher:
             for _ in range(3):  # the files changed while loading: load them once more
                 seen = fingerprint(self.path)
                 try:
-                    config = await asyncio.to_thread(load_config, self.path, portable=self.portable)
+                    config = await asyncio.to_thread(
+                        load_config,
+                        self.path,
+                        portable=self.portable,
+                        merge_domains=self.merge_domains,
+                    )
                 except ConfigError as exc:
                     ok, self.last_error = False, str(exc)
                     self._seen = seen

@@ -9,7 +9,8 @@ gRPC team's own implementation, the one Kubernetes' and Envoy's gRPC health chec
 Workers share nothing but the store: each binds the ports with ``SO_REUSEPORT`` (gRPC's
 ``grpc.so_reuseport`` option; a reuse-port socket handed to uvicorn), so the kernel spreads
 connections over them. With one worker, reuse-port is off, so a port another program holds
-is an error rather than a silent share.
+is an error rather than a silent share. Their metrics meet in a private directory the parent
+makes and removes (``_metrics.WorkerMetricsDir``), so any worker's scrape shows them all.
 
 Reservation tokens (``/reserve``, ``/settle``) are signed with ``reservation_key``: when none is
 given, ``serve`` draws one before the workers start, so every worker reads the others' tokens
@@ -27,17 +28,23 @@ import secrets
 import signal
 import socket
 import sys
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any
+
+from google.protobuf.message import DecodeError
 
 from .._errors import ConfigError, StorageError
 from .._limiter import AsyncLimiter
 from ..typing import FailureMode
 from ._config import ServiceConfig
-from ._decide import BadRequest, Decider
+from ._decide import DEFAULT_LIMIT_HEADERS, BadRequest, Decider
+from ._health import STOPPING, Health
+from ._listen import GrpcTls, client_san_interceptor, grpc_target
 from ._loader import load_config
-from ._metrics import ServiceMetrics
+from ._logs import configure_logging, status_line
+from ._metrics import NEAR_LIMIT_RATIO, ServiceMetrics, WorkerMetricsDir, single_process_metrics
 from ._reload import ConfigWatcher
 from ._tokens import Tokens
 from ._web import ServiceApp
@@ -76,6 +83,39 @@ class ServeOptions:
     reservation_key: str | None = field(default=None, repr=False)
     #: Seconds a reservation token may be settled in.
     reservation_ttl: float = 600.0
+    #: ``duration_until_reset`` to the nanosecond instead of upstream's whole seconds.
+    exact_durations: bool = False
+    #: Upstream's SHADOW_MODE: every answer OK overall (the statuses still tell).
+    shadow_mode: bool = False
+    #: Upstream's RESPONSE_DYNAMIC_METADATA: fill the response's ``dynamic_metadata``.
+    response_dynamic_metadata: bool = False
+    #: Count every rule's denied hits, as upstream does (a rule's ``charge_over_limit``).
+    charge_over_limit: bool = False
+    #: Upstream's MERGE_DOMAIN_CONFIG: a domain's descriptors may be spread over several files.
+    merge_domain_config: bool = False
+    #: Upstream's QUOTA_MODE: every descriptor in quota mode (the request is refused only when
+    #: all of them are over their limits).
+    quota_mode: bool = False
+    #: Upstream's LIMIT_RESPONSE_HEADERS_ENABLED: the limit, remaining and reset headers of
+    #: the descriptor closest to its limit, named ``limit_header_names``.
+    limit_response_headers: bool = False
+    #: Upstream's LIMIT_LIMIT_HEADER, LIMIT_REMAINING_HEADER and LIMIT_RESET_HEADER.
+    limit_header_names: tuple[str, str, str] = DEFAULT_LIMIT_HEADERS
+    #: Upstream's NEAR_LIMIT_RATIO: hits past this share of a limit count as near_limit.
+    near_limit_ratio: float = NEAR_LIMIT_RATIO
+    #: gRPC's own bind address (None: ``host``, as HTTP's); upstream's GRPC_HOST.
+    grpc_host: str | None = None
+    #: Serve gRPC on this unix socket instead of TCP (upstream's GRPC_UDS).
+    grpc_uds: str | None = None
+    #: TLS (and mTLS, with a client CA) on the gRPC listener; None: plaintext.
+    grpc_tls: GrpcTls | None = None
+    #: Seconds after which gRPC closes a connection with GOAWAY, and then lets its calls
+    #: finish (upstream's GRPC_MAX_CONNECTION_AGE and _GRACE); None: never.
+    grpc_max_connection_age: float | None = None
+    grpc_max_connection_age_grace: float | None = None
+    #: A logging level name (None: warnings, and the service's reloads), text or json.
+    log_level: str | None = None
+    log_format: str = "text"
 
 
 def _reuse_port_socket(host: str, port: int, reuse_port: bool) -> socket.socket:
@@ -105,10 +145,19 @@ class Service:
     bound ports, useful with port 0), ``await service.stop()`` drains and closes.
     """
 
-    def __init__(self, options: ServeOptions, *, reuse_port: bool | None = None) -> None:
+    def __init__(
+        self,
+        options: ServeOptions,
+        *,
+        reuse_port: bool | None = None,
+        metrics_dir: str | None = None,
+    ) -> None:
         self.options = options
         self.reuse_port = options.workers > 1 if reuse_port is None else reuse_port
-        self.metrics = ServiceMetrics()
+        # metrics_dir: the workers' shared metrics (serve --workers N), one view in a scrape
+        self.metrics = ServiceMetrics(
+            multiprocess_dir=metrics_dir, near_limit_ratio=options.near_limit_ratio
+        )
         self.limiter: AsyncLimiter | None = None
         self.decider: Decider | None = None
         self.watcher = ConfigWatcher(
@@ -116,6 +165,7 @@ class Service:
             self._apply,
             interval=options.reload_interval,
             portable=options.portable,
+            merge_domains=options.merge_domain_config,
             on_result=self.metrics.reloaded,
         )
         self.grpc_port = options.grpc_port
@@ -123,6 +173,8 @@ class Service:
         self._tasks: list[asyncio.Task[Any]] = []
         self._grpc: Any = None
         self._health: Any = None
+        #: What the health checks answer: failing until the store answers, and once stopping.
+        self.health = Health(None, HEALTH_NAMES)
         self._http: Any = None
         self._app: ServiceApp | None = None
         self._config: ServiceConfig | None = None
@@ -132,24 +184,33 @@ class Service:
         if self.decider is not None:
             self.decider.config = config
 
-    async def _rpc(self, request: RateLimitRequest, context: Any) -> RateLimitResponse:
+    async def _rpc(self, body: bytes, context: Any) -> RateLimitResponse:
         assert self.decider is not None
+        started = time.perf_counter()
         try:
-            return await self.decider.should_rate_limit(request)
+            # parsed here, not by gRPC: bytes that are not a request get INVALID_ARGUMENT
+            # with a plain message, not gRPC's "Unexpected error"
+            request = _parse_request(body)
+            response = await self.decider.should_rate_limit(request)
         except BadRequest as exc:
             import grpc  # here, not per call: an import statement costs even when loaded
 
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            self.metrics.answered("ShouldRateLimit", started, exc)
+            await context.abort(getattr(grpc.StatusCode, exc.grpc_code), str(exc))
         except StorageError as exc:
             import grpc
 
+            self.metrics.answered("ShouldRateLimit", started, exc)
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"the store failed: {exc}")
+        else:
+            self.metrics.answered("ShouldRateLimit", started)
+            return response
         raise AssertionError("unreachable: context.abort raises")
 
     async def start(self) -> None:
         import grpc
         import uvicorn
-        from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+        from grpc_health.v1 import health, health_pb2_grpc
 
         options = self.options
         config = self.watcher.load_now()
@@ -171,37 +232,56 @@ class Service:
             metrics=self.metrics,
             response_headers=options.response_headers,
             tokens=Tokens(key.encode(), options.reservation_ttl),
+            exact_durations=options.exact_durations,
+            shadow_mode=options.shadow_mode,
+            dynamic_metadata=options.response_dynamic_metadata,
+            charge_over_limit=options.charge_over_limit,
+            quota_mode=options.quota_mode,
+            limit_headers=options.limit_header_names if options.limit_response_headers else None,
         )
-        self._app = ServiceApp(self.decider, self.metrics)
+        self._health = health.aio.HealthServicer()
+        self.health = Health(self._health, HEALTH_NAMES)
+        await self.health.publish()  # NOT_SERVING until the store answers
+        self._app = ServiceApp(self.decider, self.metrics, self.health)
 
+        grpc_options: list[tuple[str, int]] = [
+            ("grpc.so_reuseport", 1 if self.reuse_port else 0),
+            ("grpc.max_concurrent_streams", 1024),
+        ]
+        for name, seconds in (
+            ("grpc.max_connection_age_ms", options.grpc_max_connection_age),
+            ("grpc.max_connection_age_grace_ms", options.grpc_max_connection_age_grace),
+        ):
+            if seconds is not None:
+                grpc_options.append((name, max(1, round(seconds * 1000))))
+        tls = options.grpc_tls
         server = grpc.aio.server(
-            options=[
-                ("grpc.so_reuseport", 1 if self.reuse_port else 0),
-                ("grpc.max_concurrent_streams", 1024),
-            ]
+            options=grpc_options,
+            interceptors=(
+                [client_san_interceptor(tls.client_san)] if tls and tls.client_san else None
+            ),
         )
         handler = grpc.unary_unary_rpc_method_handler(
-            self._rpc,
-            request_deserializer=RateLimitRequest.FromString,
-            response_serializer=RateLimitResponse.SerializeToString,
+            self._rpc, response_serializer=RateLimitResponse.SerializeToString
         )
         server.add_generic_rpc_handlers(
             (grpc.method_handlers_generic_handler(RLS_SERVICE, {"ShouldRateLimit": handler}),)
         )
-        self._health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
-        for name in HEALTH_NAMES:
-            await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        target = self.grpc_address
         try:
-            bound = server.add_insecure_port(_address(options.host, options.grpc_port))
+            if tls is not None:
+                bound = server.add_secure_port(target, tls.credentials())
+            else:
+                bound = server.add_insecure_port(target)
         except RuntimeError:  # grpcio raises when it cannot bind; older ones return 0
             bound = 0
         if bound == 0:
             raise ConfigError(
-                f"cannot serve gRPC on {_address(options.host, options.grpc_port)}: "
-                "the address is in use or not available"
+                f"cannot serve gRPC on {target}: the address is in use or not available"
             )
-        self.grpc_port = bound
+        if not options.grpc_uds:
+            self.grpc_port = bound
         try:
             sock = _reuse_port_socket(options.host, options.http_port, self.reuse_port)
         except OSError as exc:
@@ -227,6 +307,14 @@ class Service:
             if self._tasks[0].done():
                 self._tasks[0].result()  # uvicorn failed to start: raise its error
             await asyncio.sleep(0.005)
+        if not await self.health.probe(self.limiter):  # a store that answers: healthy at once
+            self._tasks.append(asyncio.create_task(self.health.wait_for_store(self.limiter)))
+
+    @property
+    def grpc_address(self) -> str:
+        """Where gRPC listens: ``host:port`` (the bound port once started) or ``unix:PATH``."""
+        options = self.options
+        return grpc_target(options.grpc_host or options.host, self.grpc_port, options.grpc_uds)
 
     async def reload(self) -> bool:
         """Reload the configuration now (SIGHUP)."""
@@ -234,8 +322,7 @@ class Service:
 
     async def stop(self) -> None:
         """Fail health checks, finish the RPCs in flight (up to ``grace`` seconds), close."""
-        if self._app is not None:
-            self._app.healthy = False
+        await self.health.fail(STOPPING)
         if self._health is not None:
             await self._health.enter_graceful_shutdown()
         if self._grpc is not None:
@@ -251,11 +338,14 @@ class Service:
             await self.limiter.close()
 
 
-async def run_worker(options: ServeOptions, ready: Callable[[Service], None]) -> None:
-    """Serve until SIGTERM or SIGINT; SIGHUP reloads the configuration."""
+async def run_worker(
+    options: ServeOptions, ready: Callable[[Service], None], metrics_dir: str | None = None
+) -> None:
+    """Serve until SIGTERM or SIGINT; SIGHUP reloads the configuration. ``metrics_dir``: the
+    workers' shared metrics directory (``serve`` with several workers)."""
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
-    service = Service(options)
+    service = Service(options, metrics_dir=metrics_dir)
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     reloads: set[asyncio.Task[bool]] = set()
@@ -274,26 +364,28 @@ async def run_worker(options: ServeOptions, ready: Callable[[Service], None]) ->
         await service.stop()
 
 
+def _parse_request(body: bytes) -> RateLimitRequest:
+    try:
+        return RateLimitRequest.FromString(body)
+    except DecodeError as exc:
+        # e.g. a string that is not UTF-8 (proto3 strings must be)
+        raise BadRequest(f"the request is not a RateLimitRequest: {exc}") from None
+
+
 def _ready_line(service: Service) -> None:
     options = service.options
-    print(
-        f"ratekeeper serve: worker {os.getpid()} ready: gRPC on "
-        f"{_address(options.host, service.grpc_port)}, HTTP on "
-        f"{_address(options.host, service.http_port)}, configuration from {options.config}",
-        file=sys.stderr,
-        flush=True,
+    tls = " (TLS)" if options.grpc_tls else ""
+    status_line(
+        f"ratekeeper serve: worker {os.getpid()} ready: gRPC on {service.grpc_address}{tls}, "
+        f"HTTP on {_address(options.host, service.http_port)}, configuration from "
+        f"{options.config}"
     )
 
 
-def _worker_main(options: ServeOptions) -> None:
-    logging.basicConfig(
-        level=logging.WARNING,
-        format="%(asctime)s %(levelname)s %(name)s[%(process)d]: %(message)s",
-        stream=sys.stderr,
-    )
-    log.setLevel(logging.INFO)  # reloads are worth a line
+def _worker_main(options: ServeOptions, metrics_dir: str | None = None) -> None:
+    configure_logging(options.log_level, options.log_format)
     try:
-        asyncio.run(run_worker(options, _ready_line))
+        asyncio.run(run_worker(options, _ready_line, metrics_dir))
     except ConfigError as exc:
         print(f"ratekeeper serve: {exc}", file=sys.stderr, flush=True)
         sys.exit(2)
@@ -306,18 +398,33 @@ def serve(options: ServeOptions) -> int:
     if options.reservation_key is None:
         options = replace(options, reservation_key=secrets.token_urlsafe(32))
     if options.workers == 1:
+        single_process_metrics()  # a user's PROMETHEUS_MULTIPROC_DIR is not ours to write
         _worker_main(options)
         return 0
-    if options.grpc_port == 0 or options.http_port == 0:
+    if (options.grpc_port == 0 and not options.grpc_uds) or options.http_port == 0:
         raise ConfigError("--workers above 1 needs fixed ports: port 0 gives each its own")
-    load_config(options.config, portable=options.portable)  # a bad file stops here, once
+    if options.grpc_uds:
+        raise ConfigError("a unix socket (--grpc-uds) serves one worker: --workers 1")
+    # a bad file stops here, once
+    load_config(
+        options.config, portable=options.portable, merge_domains=options.merge_domain_config
+    )
+    # The workers' metrics meet in a private directory, so a scrape sums them all.
+    with WorkerMetricsDir() as metrics:
+        return _run_workers(options, metrics)
+
+
+def _run_workers(options: ServeOptions, metrics: WorkerMetricsDir) -> int:
     context = multiprocessing.get_context("spawn")
     children = [
-        context.Process(target=_worker_main, args=(options,), name=f"ratekeeper-worker-{i}")
+        context.Process(
+            target=_worker_main, args=(options, metrics.path), name=f"ratekeeper-worker-{i}"
+        )
         for i in range(options.workers)
     ]
-    for child in children:
-        child.start()
+    with metrics.starting():  # the workers' environment names it before they import anything
+        for child in children:
+            child.start()
 
     def forward(signum: int, frame: Any) -> None:
         for child in children:
@@ -336,6 +443,7 @@ def serve(options: ServeOptions) -> int:
         for ready in wait(list(sentinels)):
             child = sentinels.pop(ready)  # type: ignore[arg-type]
             child.join()
+            metrics.exited(child.pid)
             code = child.exitcode or 0
             if code not in (0, -signal.SIGTERM, -signal.SIGINT):
                 status = status or (code if code > 0 else 1)

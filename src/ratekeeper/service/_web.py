@@ -11,8 +11,8 @@
   "cancel": true}``, answered 200 with the response as ``/json`` shapes it (one status: where
   the descriptor stands after); 400 malformed, 403 a token that does not verify, 409 settled
   already, 410 expired or its rule gone; 503 as ``/json``
-* ``GET /healthcheck``: 200 ``OK`` while a configuration is loaded and the server is not
-  shutting down, else 503
+* ``GET /healthcheck``: 200 ``OK`` once the store has answered (and a configuration is
+  loaded) until the server shuts down, else 500 with the reason, as upstream (see ``_health``)
 * ``GET /metrics``: Prometheus exposition (see ``_metrics``)
 * ``GET /rlconfig``: the configuration in force, as JSON
 """
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
@@ -30,6 +31,7 @@ from .._errors import StorageError
 from .._rates import MAX_INT
 from ..asgi import answer_lifespan
 from ._decide import BadRequest, Decider
+from ._health import Health
 from ._metrics import ServiceMetrics
 from ._tokens import TokenRefused
 from .rls_pb2 import RateLimitRequest, RateLimitResponse
@@ -67,12 +69,14 @@ async def _respond(send: Send, status: int, body: bytes, content_type: bytes = _
 
 class ServiceApp:
     """The ASGI app; ``decider.config`` is read on each request, so reloads show at once.
-    ``healthy`` is cleared when the server starts shutting down."""
+    ``health`` says what ``/healthcheck`` answers (without one: always healthy)."""
 
-    def __init__(self, decider: Decider, metrics: ServiceMetrics) -> None:
+    def __init__(
+        self, decider: Decider, metrics: ServiceMetrics, health: Health | None = None
+    ) -> None:
         self.decider = decider
         self.metrics = metrics
-        self.healthy = True
+        self.health = health
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
@@ -94,10 +98,11 @@ class ServiceApp:
             if method not in ("GET", "HEAD"):
                 await _respond(send, 405, b"use GET\n")
             elif path == "/healthcheck":
-                if self.healthy:
+                failing = None if self.health is None else self.health.reason
+                if failing is None:
                     await _respond(send, 200, b"OK")
                 else:
-                    await _respond(send, 503, b"shutting down\n")
+                    await _respond(send, 500, f"{failing}\n".encode())
             elif path == "/metrics":
                 text, content_type = self.metrics.render()
                 await _respond(send, 200, text, content_type.encode())
@@ -127,6 +132,7 @@ class ServiceApp:
         """``/json``, ``/reserve`` or ``/settle``: decide, then answer the response in proto3
         JSON with its status code, or an error as plain text."""
         tokens: dict[int, str] | None = None
+        started = time.perf_counter()
         try:
             if path == "/settle":
                 response = await self.decider.settle(*_settle_request(body))
@@ -135,14 +141,18 @@ class ServiceApp:
             else:
                 response = await self.decider.should_rate_limit(_rate_limit_request(body))
         except BadRequest as exc:
+            self.metrics.answered(path, started, exc)
             await _respond(send, 400, f"bad request: {exc}\n".encode())
             return
         except TokenRefused as exc:
+            self.metrics.answered(path, started, exc)
             await _respond(send, exc.status, f"{exc}\n".encode())
             return
         except StorageError as exc:
+            self.metrics.answered(path, started, exc)
             await _respond(send, 503, f"the store failed: {exc}\n".encode())
             return
+        self.metrics.answered(path, started)
         data = json_format.MessageToDict(response)
         for index, token in (tokens or {}).items():
             data["statuses"][index]["reservation"] = token

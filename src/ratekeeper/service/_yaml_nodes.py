@@ -44,14 +44,32 @@ def read(source: str) -> str:
 
 class Nodes:
     """Readers of one file's nodes: errors name ``source``; ``portable`` refuses the keys a
-    mapping lists as extensions; ``PLACE`` says where a key that is misplaced belongs."""
+    mapping lists as extensions; ``PLACE`` says where a key that is misplaced belongs.
+
+    ``findings``: where a file envoyproxy/ratelimit loads leniently is refused
+    (:meth:`lenient`), None raises at once; a list collects each refusal and reading goes on
+    with upstream's meaning, so that all of them are reported at once."""
 
     #: A key valid elsewhere -> where it belongs, for the error about a misplaced one.
     PLACE: Mapping[str, str] = {}
+    #: The keys envoyproxy/ratelimit knows: it accepts any of them anywhere, ignoring it there.
+    UPSTREAM: frozenset[str] = frozenset()
 
-    def __init__(self, source: str, portable: bool) -> None:
+    def __init__(
+        self, source: str, portable: bool, findings: list[ConfigFileError] | None = None
+    ) -> None:
         self.source = source
         self.portable = portable
+        self.findings = findings
+
+    def lenient(self, node: Node | yaml.Mark, message: str) -> None:
+        """Refuse what envoyproxy/ratelimit loads leniently (``message`` says what it does
+        there and the fix): raised, or collected in :attr:`findings`."""
+        error = self.error(node, message)
+        if self.findings is None:
+            raise error
+        if not any(str(seen) == str(error) for seen in self.findings):  # a node read twice
+            self.findings.append(error)
 
     def error(self, node: Node | yaml.Mark, message: str) -> ConfigFileError:
         # libyaml's marks are not yaml.Mark: tell a node by its start_mark
@@ -79,10 +97,18 @@ class Nodes:
                 raise self.error(key_node, f"keys of {what} must be strings, got {kind(key_node)}")
             name = key_node.value
             if name in out:
-                raise self.error(
+                self.lenient(
                     key_node,
-                    f"duplicate key {name!r} in {what} (first at {self.where(out[name][0])})",
+                    f"duplicate key {name!r} in {what} (first at {self.where(out[name][0])}): "
+                    "envoyproxy/ratelimit silently keeps the last one; remove one of them",
                 )
+            if name == "<<":
+                self.lenient(
+                    key_node,
+                    f"YAML merge keys ('<<') are not supported, in {what}: envoyproxy/ratelimit's "
+                    "YAML reader merges the aliased mapping in; write its keys out here",
+                )
+                continue
             if name not in keys:
                 if name in extensions:
                     if self.portable:
@@ -93,10 +119,16 @@ class Nodes:
                         )
                 else:
                     place = self.PLACE.get(name)
+                    if place and name in self.UPSTREAM:
+                        self.lenient(
+                            key_node,
+                            f"{name!r} belongs in {place}, not in {what}: envoyproxy/ratelimit "
+                            "accepts any of its keys anywhere and ignores one out of place (it "
+                            f"does nothing there); move it to {place}, or remove it",
+                        )
+                        continue
                     hint = f"; {name!r} belongs in {place}" if place else ""
                     known = ", ".join(sorted(keys | (frozenset() if self.portable else extensions)))
-                    if name == "<<":
-                        hint = " (YAML merge keys are not supported)"
                     raise self.error(
                         key_node, f"unknown key {name!r} in {what}{hint} (known: {known})"
                     )

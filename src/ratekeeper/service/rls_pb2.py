@@ -23,36 +23,37 @@ _sym_db = _symbol_database.Default()
 
 
 from google.protobuf import duration_pb2 as google_dot_protobuf_dot_duration__pb2
+from google.protobuf import struct_pb2 as google_dot_protobuf_dot_struct__pb2
 from google.protobuf import wrappers_pb2 as google_dot_protobuf_dot_wrappers__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cratekeeper/service/rls.proto\x12\x16ratekeeper.service.rls\x1a\x1egoogle/protobuf/duration.proto\x1a\x1egoogle/protobuf/wrappers.proto\"\xd6\x03\n\x13RateLimitDescriptor\x12\x42\n\x07\x65ntries\x18\x01 \x03(\x0b\x32\x31.ratekeeper.service.rls.RateLimitDescriptor.Entry\x12L\n\x05limit\x18\x02 \x01(\x0b\x32=.ratekeeper.service.rls.RateLimitDescriptor.RateLimitOverride\x12\x31\n\x0bhits_addend\x18\x03 \x01(\x0b\x32\x1c.google.protobuf.UInt64Value\x1a#\n\x05\x45ntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t\x1aw\n\x11RateLimitOverride\x12\x19\n\x11requests_per_unit\x18\x01 \x01(\r\x12G\n\x04unit\x18\x02 \x01(\x0e\x32\x39.ratekeeper.service.rls.RateLimitDescriptor.RateLimitUnit\"\\\n\rRateLimitUnit\x12\x0b\n\x07UNKNOWN\x10\x00\x12\n\n\x06SECOND\x10\x01\x12\n\n\x06MINUTE\x10\x02\x12\x08\n\x04HOUR\x10\x03\x12\x07\n\x03\x44\x41Y\x10\x04\x12\t\n\x05MONTH\x10\x05\x12\x08\n\x04YEAR\x10\x06\"<\n\x0bHeaderValue\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t\x12\x11\n\traw_value\x18\x03 \x01(\x0c\"y\n\x10RateLimitRequest\x12\x0e\n\x06\x64omain\x18\x01 \x01(\t\x12@\n\x0b\x64\x65scriptors\x18\x02 \x03(\x0b\x32+.ratekeeper.service.rls.RateLimitDescriptor\x12\x13\n\x0bhits_addend\x18\x03 \x01(\r\"\xe9\x05\n\x11RateLimitResponse\x12\x44\n\x0coverall_code\x18\x01 \x01(\x0e\x32..ratekeeper.service.rls.RateLimitResponse.Code\x12L\n\x08statuses\x18\x02 \x03(\x0b\x32:.ratekeeper.service.rls.RateLimitResponse.DescriptorStatus\x12\x44\n\x17response_headers_to_add\x18\x03 \x03(\x0b\x32#.ratekeeper.service.rls.HeaderValue\x1a\xdb\x01\n\tRateLimit\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x19\n\x11requests_per_unit\x18\x01 \x01(\r\x12\x46\n\x04unit\x18\x02 \x01(\x0e\x32\x38.ratekeeper.service.rls.RateLimitResponse.RateLimit.Unit\"]\n\x04Unit\x12\x0b\n\x07UNKNOWN\x10\x00\x12\n\n\x06SECOND\x10\x01\x12\n\n\x06MINUTE\x10\x02\x12\x08\n\x04HOUR\x10\x03\x12\x07\n\x03\x44\x41Y\x10\x04\x12\t\n\x05MONTH\x10\x05\x12\x08\n\x04YEAR\x10\x06\x12\x08\n\x04WEEK\x10\x07\x1a\xee\x01\n\x10\x44\x65scriptorStatus\x12<\n\x04\x63ode\x18\x01 \x01(\x0e\x32..ratekeeper.service.rls.RateLimitResponse.Code\x12J\n\rcurrent_limit\x18\x02 \x01(\x0b\x32\x33.ratekeeper.service.rls.RateLimitResponse.RateLimit\x12\x17\n\x0flimit_remaining\x18\x03 \x01(\r\x12\x37\n\x14\x64uration_until_reset\x18\x04 \x01(\x0b\x32\x19.google.protobuf.Duration\"+\n\x04\x43ode\x12\x0b\n\x07UNKNOWN\x10\x00\x12\x06\n\x02OK\x10\x01\x12\x0e\n\nOVER_LIMIT\x10\x02\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cratekeeper/service/rls.proto\x12\x16ratekeeper.service.rls\x1a\x1egoogle/protobuf/duration.proto\x1a\x1cgoogle/protobuf/struct.proto\x1a\x1egoogle/protobuf/wrappers.proto\"\xd6\x03\n\x13RateLimitDescriptor\x12\x42\n\x07\x65ntries\x18\x01 \x03(\x0b\x32\x31.ratekeeper.service.rls.RateLimitDescriptor.Entry\x12L\n\x05limit\x18\x02 \x01(\x0b\x32=.ratekeeper.service.rls.RateLimitDescriptor.RateLimitOverride\x12\x31\n\x0bhits_addend\x18\x03 \x01(\x0b\x32\x1c.google.protobuf.UInt64Value\x1a#\n\x05\x45ntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t\x1aw\n\x11RateLimitOverride\x12\x19\n\x11requests_per_unit\x18\x01 \x01(\r\x12G\n\x04unit\x18\x02 \x01(\x0e\x32\x39.ratekeeper.service.rls.RateLimitDescriptor.RateLimitUnit\"\\\n\rRateLimitUnit\x12\x0b\n\x07UNKNOWN\x10\x00\x12\n\n\x06SECOND\x10\x01\x12\n\n\x06MINUTE\x10\x02\x12\x08\n\x04HOUR\x10\x03\x12\x07\n\x03\x44\x41Y\x10\x04\x12\t\n\x05MONTH\x10\x05\x12\x08\n\x04YEAR\x10\x06\"<\n\x0bHeaderValue\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t\x12\x11\n\traw_value\x18\x03 \x01(\x0c\"y\n\x10RateLimitRequest\x12\x0e\n\x06\x64omain\x18\x01 \x01(\t\x12@\n\x0b\x64\x65scriptors\x18\x02 \x03(\x0b\x32+.ratekeeper.service.rls.RateLimitDescriptor\x12\x13\n\x0bhits_addend\x18\x03 \x01(\r\"\x9c\x06\n\x11RateLimitResponse\x12\x44\n\x0coverall_code\x18\x01 \x01(\x0e\x32..ratekeeper.service.rls.RateLimitResponse.Code\x12L\n\x08statuses\x18\x02 \x03(\x0b\x32:.ratekeeper.service.rls.RateLimitResponse.DescriptorStatus\x12\x44\n\x17response_headers_to_add\x18\x03 \x03(\x0b\x32#.ratekeeper.service.rls.HeaderValue\x12\x31\n\x10\x64ynamic_metadata\x18\x06 \x01(\x0b\x32\x17.google.protobuf.Struct\x1a\xdb\x01\n\tRateLimit\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x19\n\x11requests_per_unit\x18\x01 \x01(\r\x12\x46\n\x04unit\x18\x02 \x01(\x0e\x32\x38.ratekeeper.service.rls.RateLimitResponse.RateLimit.Unit\"]\n\x04Unit\x12\x0b\n\x07UNKNOWN\x10\x00\x12\n\n\x06SECOND\x10\x01\x12\n\n\x06MINUTE\x10\x02\x12\x08\n\x04HOUR\x10\x03\x12\x07\n\x03\x44\x41Y\x10\x04\x12\t\n\x05MONTH\x10\x05\x12\x08\n\x04YEAR\x10\x06\x12\x08\n\x04WEEK\x10\x07\x1a\xee\x01\n\x10\x44\x65scriptorStatus\x12<\n\x04\x63ode\x18\x01 \x01(\x0e\x32..ratekeeper.service.rls.RateLimitResponse.Code\x12J\n\rcurrent_limit\x18\x02 \x01(\x0b\x32\x33.ratekeeper.service.rls.RateLimitResponse.RateLimit\x12\x17\n\x0flimit_remaining\x18\x03 \x01(\r\x12\x37\n\x14\x64uration_until_reset\x18\x04 \x01(\x0b\x32\x19.google.protobuf.Duration\"+\n\x04\x43ode\x12\x0b\n\x07UNKNOWN\x10\x00\x12\x06\n\x02OK\x10\x01\x12\x0e\n\nOVER_LIMIT\x10\x02\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'ratekeeper.service.rls_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_RATELIMITDESCRIPTOR']._serialized_start=121
-  _globals['_RATELIMITDESCRIPTOR']._serialized_end=591
-  _globals['_RATELIMITDESCRIPTOR_ENTRY']._serialized_start=341
-  _globals['_RATELIMITDESCRIPTOR_ENTRY']._serialized_end=376
-  _globals['_RATELIMITDESCRIPTOR_RATELIMITOVERRIDE']._serialized_start=378
-  _globals['_RATELIMITDESCRIPTOR_RATELIMITOVERRIDE']._serialized_end=497
-  _globals['_RATELIMITDESCRIPTOR_RATELIMITUNIT']._serialized_start=499
-  _globals['_RATELIMITDESCRIPTOR_RATELIMITUNIT']._serialized_end=591
-  _globals['_HEADERVALUE']._serialized_start=593
-  _globals['_HEADERVALUE']._serialized_end=653
-  _globals['_RATELIMITREQUEST']._serialized_start=655
-  _globals['_RATELIMITREQUEST']._serialized_end=776
-  _globals['_RATELIMITRESPONSE']._serialized_start=779
-  _globals['_RATELIMITRESPONSE']._serialized_end=1524
-  _globals['_RATELIMITRESPONSE_RATELIMIT']._serialized_start=1019
-  _globals['_RATELIMITRESPONSE_RATELIMIT']._serialized_end=1238
-  _globals['_RATELIMITRESPONSE_RATELIMIT_UNIT']._serialized_start=1145
-  _globals['_RATELIMITRESPONSE_RATELIMIT_UNIT']._serialized_end=1238
-  _globals['_RATELIMITRESPONSE_DESCRIPTORSTATUS']._serialized_start=1241
-  _globals['_RATELIMITRESPONSE_DESCRIPTORSTATUS']._serialized_end=1479
-  _globals['_RATELIMITRESPONSE_CODE']._serialized_start=1481
-  _globals['_RATELIMITRESPONSE_CODE']._serialized_end=1524
+  _globals['_RATELIMITDESCRIPTOR']._serialized_start=151
+  _globals['_RATELIMITDESCRIPTOR']._serialized_end=621
+  _globals['_RATELIMITDESCRIPTOR_ENTRY']._serialized_start=371
+  _globals['_RATELIMITDESCRIPTOR_ENTRY']._serialized_end=406
+  _globals['_RATELIMITDESCRIPTOR_RATELIMITOVERRIDE']._serialized_start=408
+  _globals['_RATELIMITDESCRIPTOR_RATELIMITOVERRIDE']._serialized_end=527
+  _globals['_RATELIMITDESCRIPTOR_RATELIMITUNIT']._serialized_start=529
+  _globals['_RATELIMITDESCRIPTOR_RATELIMITUNIT']._serialized_end=621
+  _globals['_HEADERVALUE']._serialized_start=623
+  _globals['_HEADERVALUE']._serialized_end=683
+  _globals['_RATELIMITREQUEST']._serialized_start=685
+  _globals['_RATELIMITREQUEST']._serialized_end=806
+  _globals['_RATELIMITRESPONSE']._serialized_start=809
+  _globals['_RATELIMITRESPONSE']._serialized_end=1605
+  _globals['_RATELIMITRESPONSE_RATELIMIT']._serialized_start=1100
+  _globals['_RATELIMITRESPONSE_RATELIMIT']._serialized_end=1319
+  _globals['_RATELIMITRESPONSE_RATELIMIT_UNIT']._serialized_start=1226
+  _globals['_RATELIMITRESPONSE_RATELIMIT_UNIT']._serialized_end=1319
+  _globals['_RATELIMITRESPONSE_DESCRIPTORSTATUS']._serialized_start=1322
+  _globals['_RATELIMITRESPONSE_DESCRIPTORSTATUS']._serialized_end=1560
+  _globals['_RATELIMITRESPONSE_CODE']._serialized_start=1562
+  _globals['_RATELIMITRESPONSE_CODE']._serialized_end=1605
 # @@protoc_insertion_point(module_scope)

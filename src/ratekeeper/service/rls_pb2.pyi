@@ -1,6 +1,7 @@
 import datetime
 
 from google.protobuf import duration_pb2 as _duration_pb2
+from google.protobuf import struct_pb2 as _struct_pb2
 from google.protobuf import wrappers_pb2 as _wrappers_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
@@ -72,7 +73,7 @@ class RateLimitRequest(_message.Message):
     def __init__(self, domain: _Optional[str] = ..., descriptors: _Optional[_Iterable[_Union[RateLimitDescriptor, _Mapping]]] = ..., hits_addend: _Optional[int] = ...) -> None: ...
 
 class RateLimitResponse(_message.Message):
-    __slots__ = ("overall_code", "statuses", "response_headers_to_add")
+    __slots__ = ("overall_code", "statuses", "response_headers_to_add", "dynamic_metadata")
     class Code(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         UNKNOWN: _ClassVar[RateLimitResponse.Code]
@@ -122,7 +123,9 @@ class RateLimitResponse(_message.Message):
     OVERALL_CODE_FIELD_NUMBER: _ClassVar[int]
     STATUSES_FIELD_NUMBER: _ClassVar[int]
     RESPONSE_HEADERS_TO_ADD_FIELD_NUMBER: _ClassVar[int]
+    DYNAMIC_METADATA_FIELD_NUMBER: _ClassVar[int]
     overall_code: RateLimitResponse.Code
     statuses: _containers.RepeatedCompositeFieldContainer[RateLimitResponse.DescriptorStatus]
     response_headers_to_add: _containers.RepeatedCompositeFieldContainer[HeaderValue]
-    def __init__(self, overall_code: _Optional[_Union[RateLimitResponse.Code, str]] = ..., statuses: _Optional[_Iterable[_Union[RateLimitResponse.DescriptorStatus, _Mapping]]] = ..., response_headers_to_add: _Optional[_Iterable[_Union[HeaderValue, _Mapping]]] = ...) -> None: ...
+    dynamic_metadata: _struct_pb2.Struct
+    def __init__(self, overall_code: _Optional[_Union[RateLimitResponse.Code, str]] = ..., statuses: _Optional[_Iterable[_Union[RateLimitResponse.DescriptorStatus, _Mapping]]] = ..., response_headers_to_add: _Optional[_Iterable[_Union[HeaderValue, _Mapping]]] = ..., dynamic_metadata: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ...) -> None: ...
