@@ -141,7 +141,8 @@ def test_run_against_a_private_server(server: RedisServer, admin: redis.Redis, m
     # The bench writes only under its own prefix, and every key it wrote expires on its own.
     keys = list(admin.scan_iter(match=f"{data['key_prefix']}:*", count=1000))
     assert keys
-    assert all(0 < admin.pttl(key) <= 3_601_000 for key in keys)
+    # (the top offenders' summary of a minute is kept an hour after it: ratekeeper._top)
+    assert all(0 < admin.pttl(key) <= 3_661_000 for key in keys)
 
 
 def test_table_against_a_private_server(server: RedisServer) -> None:

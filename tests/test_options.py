@@ -55,6 +55,8 @@ LIMITER_OPTIONS = (
     "deny_cache",
     "deny_cache_max_age",
     "metrics",
+    "top_offenders",
+    "top_hash_key",
 )
 STORE_OPTIONS = ("timeout", "connect_timeout", "max_connections", "redis_options")
 BUILDERS = (Limiter.from_url, Limiter.from_client, AsyncLimiter.from_url, AsyncLimiter.from_client)
@@ -124,7 +126,7 @@ def test_the_builders_pass_every_option_on() -> None:
     [
         (lambda: Limiter.from_url("memory://", failur_mode="open"), "Limiter.from_url"),
         (lambda: AsyncLimiter.from_url(failur_mode="open"), "AsyncLimiter.from_url"),
-        (lambda: Limiter(MemoryStorage(), failur_mode="open"), "_Base.__init__"),
+        (lambda: Limiter(MemoryStorage(), failur_mode="open"), "LimiterBase.__init__"),
         (
             lambda: AsyncLimiter.from_client(object(), failur_mode="open"),
             "AsyncLimiter.from_client",

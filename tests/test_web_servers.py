@@ -11,11 +11,14 @@ from __future__ import annotations
 
 import contextlib
 import json
+import random
 import re
 import signal
+import subprocess
 import sys
 import time
 import uuid
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -104,6 +107,41 @@ def check_replies(replies: list[Reply], limit: int = 12, body: Any = None) -> No
         problem = json.loads(r.body)
         assert problem["status"] == 429
         assert problem["policy"] == "served-api"
+
+
+def test_top_lists_the_identities_over_their_limit_across_two_workers(
+    servers: dict[str, RedisServer],
+):
+    """200 identities send Zipf traffic (identity i sends 420 // i requests) through 2
+    uvicorn workers on one Redis, on 20 per minute: identities 1 to 20 go over their limit.
+    ``ratekeeper top --policy top-api --json`` lists exactly those 20, in order of denials,
+    with the exact counts (20 identities fit the 64 counters of each worker's summary)."""
+    server = next(iter(servers.values()))
+    sent = {f"client-{i}": 420 // i for i in range(1, 201)}
+    expected = [(identity, n - 20) for identity, n in sent.items() if n > 20]
+    assert len(expected) == 20
+    traffic = [{"X-Client": identity} for identity, n in sent.items() for _ in range(n)]
+    random.Random(3).shuffle(traffic)
+    with uvicorn("tests.web_apps:create_top_app", server.url) as (served, running):
+        replies = hammer(served.url, API, traffic)
+        denied = Counter(r.sent["X-Client"] for r in replies if r.status == 429)
+        assert sorted(denied.items()) == sorted(expected)  # the limit held, exactly
+        command = [
+            str(Path(sys.executable).parent / "ratekeeper"), "top", "--storage", server.url,
+            "--policy", "top-api", "--key-prefix", served.key_prefix, "--limit", "25", "--json",
+        ]  # fmt: skip
+        total = sum(n for _, n in expected)
+        found: dict[str, Any] = {}
+
+        def merged() -> bool:  # each worker merges within 5 s of its first unmerged denial
+            nonlocal found
+            out = subprocess.run(command, capture_output=True, text=True, check=True).stdout
+            (found,) = json.loads(out)
+            return int(found["total"]) == total
+
+        running.wait_until(merged, "both workers' merges")
+    assert [(o["identity"], o["denied"]) for o in found["offenders"]] == expected
+    assert found["error"] == total // 64
 
 
 def test_one_identity_gets_exactly_the_limit_across_two_workers(served: Served):

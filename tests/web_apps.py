@@ -32,6 +32,8 @@ ENV_PREFIX = "RATEKEEPER_WEB_KEY_PREFIX"
 SERVED_API = Policy("served-api", "12/minute")
 SERVED_WS = Policy("served-ws", "1/minute")
 SERVED_LOGIN = Policy("served-login", "5/minute")
+#: ``create_top_app``'s policy: 20 per minute per ``X-Client``.
+TOP_API = Policy("top-api", "20/minute")
 
 #: Seconds a store call may take before it counts as failed: never, on a loaded machine.
 PATIENT = 5.0
@@ -112,6 +114,40 @@ def create_app() -> Any:
             Rule("/ws", SERVED_WS),
             Rule("/login", SERVED_LOGIN, deduct_when=lambda status: status == 401),
         ],
+        exempt=["/health"],
+    )
+    return app
+
+
+def create_top_app() -> Any:
+    """The uvicorn factory of the top-offenders test: every path limited by ``TOP_API`` per
+    ``X-Client`` header (the identity as the client names it, to read in ``ratekeeper top``)."""
+    from starlette.applications import Starlette
+    from starlette.requests import Request
+    from starlette.responses import JSONResponse
+    from starlette.routing import Route
+
+    url = os.environ[ENV_URL]
+    limiter = AsyncLimiter.from_url(url, **exact_options(url, os.environ[ENV_PREFIX]))
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        yield
+        await limiter.close()
+
+    async def items(request: Request) -> JSONResponse:
+        return JSONResponse({"items": []}, headers={"X-Worker-Pid": str(os.getpid())})
+
+    async def health(request: Request) -> JSONResponse:
+        return JSONResponse({"ok": True})
+
+    routes = [Route("/api/items", items), Route("/health", health)]
+    app = Starlette(routes=routes, lifespan=lifespan)
+    app.add_middleware(
+        RateLimitMiddleware,
+        limiter=limiter,
+        policy=TOP_API,
+        key=lambda request: request.headers.get("x-client"),
         exempt=["/health"],
     )
     return app

@@ -309,20 +309,25 @@ class Guard:
         self.metrics.store_call(elapsed, True)
 
     def beat_failed(
-        self, exc: StorageError | RequestRejected, started: float, breaker: CircuitBreaker
+        self,
+        exc: StorageError | RequestRejected,
+        started: float,
+        breaker: CircuitBreaker,
+        what: str = "a fleet heartbeat",
     ) -> None:
-        """A failed heartbeat: one failed store call for the breaker and the metrics, logged at
-        the bounded rate; never raised (the caller's decision is already made). A rejected one
-        (someone wrote another type to the fleet key) means the store is up: logged as an error,
-        and the count stays as it was."""
+        """A failed heartbeat (or another call in the background, ``what``): one failed store
+        call for the breaker and the metrics, logged at the bounded rate; never raised (the
+        caller's decision is already made). A rejected one (someone wrote another type to the
+        fleet key) means the store is up: logged as an error, and the count stays as it
+        was."""
         elapsed = time.perf_counter() - started
         rejected = isinstance(exc, (RequestRejected, StorageResponseError))
         breaker.record(rejected, elapsed, None if rejected else started)
         self.metrics.store_call(elapsed, rejected)
         if rejected:
-            log.error("ratekeeper: the store rejected a fleet heartbeat: %s", exc)
+            log.error("ratekeeper: the store rejected %s: %s", what, exc)
         else:
-            self._log.warn("heartbeat", f"ratekeeper: a fleet heartbeat failed: {exc}")
+            self._log.warn(what, f"ratekeeper: {what} failed: {exc}")
 
     def forget(self, keys: tuple[str, ...]) -> None:
         """After a reset: drop cached denials of these keys, here and in the local fallback."""

@@ -10,18 +10,17 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import TYPE_CHECKING, Any, Generic, TypeVar
+import threading
+from typing import TYPE_CHECKING, Any
 
-from ._breaker import CircuitBreaker
-from ._clock import Clock
-from ._core import Call, Core
+from ._core import Call
 from ._decision import Decision
 from ._errors import RequestRejected, StorageError
-from ._guard import DEFAULT_DENY_CACHE_MAX_AGE, DEFAULT_DENY_CACHE_SIZE, Guard
-from ._keys import DEFAULT_KEY_PREFIX, Identity
+from ._keys import Identity
 from ._lease import AsyncLease, Lease, Pending
+from ._limiter_base import LimiterBase
 from ._opening import STORAGE_URL_VARIABLE, check_options, opening
-from ._path import Later, Path, Steps
+from ._path import Later, Run, Steps
 from ._policy import Policy
 from ._reservation import AsyncReservation, Reservation
 from ._storage import (
@@ -32,8 +31,7 @@ from ._storage import (
     open_client_sync,
     open_sync,
 )
-from .metrics import Metrics
-from .typing import FailureMode, LocalShare
+from ._top import FLUSH_EVERY, Offenders
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
@@ -45,71 +43,10 @@ __all__ = ["STORAGE_URL_VARIABLE", "AsyncLimiter", "Limiter"]
 log = logging.getLogger("ratekeeper")
 
 
-_S = TypeVar("_S", SyncStorage, AsyncStorage)
 _STORE_FAULTS = (StorageError, RequestRejected)
 
 
-class _Base(Generic[_S]):
-    """What both limiters hold: the storage, the core, the guard and the path over them, and
-    the options (:class:`ratekeeper.typing.LimiterOptions`, described in
-    :meth:`Limiter.from_url`)."""
-
-    def __init__(
-        self,
-        storage: _S,
-        *,
-        key_prefix: str = DEFAULT_KEY_PREFIX,
-        clock: Clock | None = None,
-        failure_mode: FailureMode = "open",
-        local_share: LocalShare = 1.0,
-        breaker: CircuitBreaker | None = None,
-        deny_cache: int = DEFAULT_DENY_CACHE_SIZE,
-        deny_cache_max_age: float = DEFAULT_DENY_CACHE_MAX_AGE,
-        metrics: Metrics | None = None,
-    ) -> None:
-        self._core = Core(key_prefix=key_prefix, clock=clock)
-        self._guard = Guard(
-            self._core,
-            failure_mode=failure_mode,
-            local_share=local_share,
-            breaker=breaker,
-            deny_cache=deny_cache,
-            deny_cache_max_age=deny_cache_max_age,
-            metrics=metrics,
-            clock=clock,
-            node_of=getattr(storage, "node_of", None),
-        )
-        self._path = Path(self._core, self._guard)
-        self.storage: _S = storage
-
-    @property
-    def breaker(self) -> CircuitBreaker:
-        """The circuit breaker in front of the store (``breaker.state``): on a cluster or
-        Sentinel, the one in front of calls not yet placed on a node (see ``breakers``)."""
-        return self._guard.breaker
-
-    @property
-    def breakers(self) -> dict[str, CircuitBreaker]:
-        """On a cluster or Sentinel, the breaker of each primary seen so far, by
-        ``host:port``: each is made like ``breaker``, and a slow or dead node opens only its
-        own, so the keys of the other nodes are still decided by the store. Empty on a single
-        server and ``memory://``."""
-        return self._guard.nodes
-
-    def keys(self, policy: Policy, identity: Identity) -> tuple[str, ...]:
-        """The store keys that hold ``identity``'s state under ``policy`` (for debugging)."""
-        return self._core.reset_keys(policy, identity)
-
-    def cached(self, policy: Policy, identity: Identity, cost: int = 1) -> Decision | None:
-        """The denial this process's deny cache holds for a hit of ``cost``, or None; asks no
-        store and consumes nothing (a stack of policies asks each before charging any)."""
-        guard = self._guard
-        if policy.algorithm not in guard.cacheable:
-            return None
-        return guard.cached(self._core.first_key(policy, identity), cost)
-
-
-class Limiter(_Base[SyncStorage]):
+class Limiter(LimiterBase[SyncStorage]):
     """Decides whether an identity may spend ``cost`` under a policy, blocking.
 
     >>> limiter = Limiter.from_url("memory://")
@@ -293,9 +230,40 @@ class Limiter(_Base[SyncStorage]):
         a reset is never silently skipped."""
         return self.storage.delete(self._path.reset(policy, identity))
 
+    def top(self, policy: Policy | str, *, since: float = 600.0, limit: int = 10) -> Offenders:
+        """The identities ``policy`` denied most across every limiter on this store over the
+        last ``since`` seconds (whole minutes; up to an hour), most denied first, with the
+        total and the error bound of each count (``ratekeeper._top``). This limiter's own
+        counts are merged first. Raises StorageError if the store cannot be read."""
+        name, (script, keys, args) = self._top_read(policy, since, limit)
+        self.merge_top()
+        assert self._top is not None
+        return self._top.offenders(name, since, self.storage.run(script, keys, args))
+
+    def merge_top(self) -> None:
+        """Merge what this limiter counted of the top offenders into the store now (it
+        does so every few seconds on its own, and on :meth:`close`)."""
+        if self._top is not None:
+            for call in self._top.drain():
+                self._drive(self._path.merge_top(Run(*call)))
+
+    def _wake_top(self) -> None:
+        """A thread that merges in ``FLUSH_EVERY`` seconds (a denial after it starts the
+        next), unless the limiter is closed first (``close`` merges then)."""
+
+        def merge() -> None:
+            if not self._closing.wait(FLUSH_EVERY):
+                self.merge_top()
+
+        threading.Thread(target=merge, name="ratekeeper-top", daemon=True).start()
+
     def close(self) -> None:
-        """Release the storage's connections."""
-        self.storage.close()
+        """Merge the top offenders counted here, and release the storage's connections."""
+        self._closing.set()
+        try:
+            self.merge_top()
+        finally:
+            self.storage.close()
 
     def __enter__(self) -> Limiter:
         return self
@@ -318,7 +286,7 @@ class Limiter(_Base[SyncStorage]):
         return wait_sync(self, policy, identity, cost, timeout)
 
 
-class AsyncLimiter(_Base[AsyncStorage]):
+class AsyncLimiter(LimiterBase[AsyncStorage]):
     """Decides whether an identity may spend ``cost`` under a policy, on asyncio.
 
     The same methods and options as :class:`Limiter`, as coroutines.
@@ -440,9 +408,43 @@ class AsyncLimiter(_Base[AsyncStorage]):
         """:meth:`Limiter.reset` on asyncio."""
         return await self.storage.delete(self._path.reset(policy, identity))
 
+    async def top(
+        self, policy: Policy | str, *, since: float = 600.0, limit: int = 10
+    ) -> Offenders:
+        """:meth:`Limiter.top` on asyncio."""
+        name, (script, keys, args) = self._top_read(policy, since, limit)
+        await self.merge_top()
+        assert self._top is not None
+        return self._top.offenders(name, since, await self.storage.run(script, keys, args))
+
+    async def merge_top(self) -> None:
+        """:meth:`Limiter.merge_top` on asyncio."""
+        if self._top is not None:
+            for call in self._top.drain():
+                await self._drive(self._path.merge_top(Run(*call)))
+
+    def _wake_top(self) -> None:
+        """A merge in ``FLUSH_EVERY`` seconds, as a task of the event loop (the denial that
+        calls this is decided on it)."""
+        loop = asyncio.get_running_loop()
+
+        def merge() -> None:
+            task = loop.create_task(self.merge_top())
+            self._merging.add(task)
+            task.add_done_callback(self._merging.discard)
+
+        self._merge_timer = loop.call_later(FLUSH_EVERY, merge)
+
     async def close(self) -> None:
-        """Release the storage's connections."""
-        await self.storage.close()
+        """Merge the top offenders counted here, and release the storage's connections."""
+        if self._merge_timer is not None:
+            self._merge_timer.cancel()
+        try:
+            if self._merging:
+                await asyncio.gather(*self._merging, return_exceptions=True)
+            await self.merge_top()
+        finally:
+            await self.storage.close()
 
     async def __aenter__(self) -> AsyncLimiter:
         return self

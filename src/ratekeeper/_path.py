@@ -40,6 +40,7 @@ from ._guard import Guard
 from ._keys import Identity
 from ._policy import Policy
 from ._scripts import Script
+from ._top import TopOffenders
 
 __all__ = ["Later", "Path", "Run", "Steps"]
 
@@ -73,11 +74,12 @@ class Path:
     """Builds the steps of every limiter operation from the core (calls, replies) and the
     guard (cache, breakers, failure modes, metrics)."""
 
-    __slots__ = ("core", "guard")
+    __slots__ = ("core", "guard", "top")
 
-    def __init__(self, core: Core, guard: Guard) -> None:
+    def __init__(self, core: Core, guard: Guard, top: TopOffenders | None = None) -> None:
         self.core = core
         self.guard = guard
+        self.top = top
 
     def hit(self, policy: Policy, identity: Identity, cost: int) -> Decision | Steps:
         """A cached denial, or the steps of a hit."""
@@ -92,9 +94,11 @@ class Path:
             keys = core.keys_of(policy, identity)
             cached = guard.cached(keys[0])
             if cached is not None:  # a flood on a denied key: no call is even built
+                if self.top is not None:
+                    self.top.record(policy, identity, 1)
                 return cached
-            return self.decide(core.hit(policy, identity, 1, keys), True)  # keys built once
-        return self.decide(core.hit(policy, identity, cost))
+            return self.decide(core.hit(policy, identity, 1, keys), True, identity)
+        return self.decide(core.hit(policy, identity, cost), False, identity)
 
     def peek(self, policy: Policy, identity: Identity, cost: int) -> Steps:
         return self.decide(self.core.peek(policy, identity, cost))
@@ -154,8 +158,11 @@ class Path:
         self.guard.forget(keys)
         return keys
 
-    def decide(self, call: Call, cache_asked: bool = False) -> Steps:
-        """The steps of one decision (``cache_asked``: the deny cache was asked already)."""
+    def decide(
+        self, call: Call, cache_asked: bool = False, identity: Identity | None = None
+    ) -> Steps:
+        """The steps of one decision (``cache_asked``: the deny cache was asked already;
+        ``identity``: a hit's, counted among the top offenders when the store denies it)."""
         guard = self.guard
         breaker = guard.breaker if guard.one_breaker else guard.breaker_of(call.keys[0])
         if not (cache_asked and breaker.closed):  # else nothing answers but the store
@@ -170,12 +177,29 @@ class Path:
                 raise reply
             return guard.failed(call, reply, started, breaker)
         decision = guard.succeeded(call, reply, started, breaker)
+        if not decision.allowed and identity is not None and self.top is not None:
+            self.top.record(call.policy, identity, call.cost)
         fleet = guard.fleet
         if fleet is not None:  # local_share="auto": a heartbeat when one is due
             beat = self._beat(fleet)
             if beat is not None:
                 yield Later(beat, fleet)
         return decision
+
+    def merge_top(self, run: Run) -> Steps:
+        """The steps of merging the top offenders' summary of one policy (``run``, from
+        ``TopOffenders.drain``): like a heartbeat, sent only through a closed breaker, its
+        failure told (and its counts lost), never raised."""
+        guard = self.guard
+        breaker = guard.breaker_of(run.keys[0])
+        if not guard.beat_allowed(breaker):
+            return
+        started = perf_counter()
+        reply = yield run
+        if isinstance(reply, _FAULTS):
+            guard.beat_failed(reply, started, breaker, "a merge of the top offenders")
+        else:
+            guard.beat_succeeded(started, breaker)
 
     def _beat(self, fleet: Fleet) -> Steps | None:
         """The steps of a fleet heartbeat, if one is due and the breaker of its node is

@@ -53,6 +53,8 @@ class LimiterOptions(TypedDict, total=False):
     deny_cache: int
     deny_cache_max_age: float
     metrics: Metrics | None
+    top_offenders: int
+    top_hash_key: bytes | str | None
 
 
 class UrlOptions(LimiterOptions, total=False):
