@@ -258,3 +258,7 @@ def test_upstream_options_from_the_command_line(tmp_path: Path, redis_url: str) 
         # the 3 refused hits were counted (--charge-over-limit): nothing fits now
         peek = send(0).json()
         assert peek["statuses"][0].get("limitRemaining", 0) == 0
+        # counted as upstream's global_shadow_mode, under both names
+        scrape = httpx.get(f"http://127.0.0.1:{http_port}/metrics").text
+        assert "ratekeeper_service_global_shadow_mode_total 1.0" in scrape
+        assert "ratelimit_service_global_shadow_mode 1.0" in scrape

@@ -335,6 +335,8 @@ class Decider:
         if self.shadow_mode and response.overall_code == _OVER_LIMIT:
             # upstream's SHADOW_MODE: the statuses still say which descriptor is over
             response.overall_code = _OK
+            if self.metrics is not None:
+                self.metrics.global_shadow_mode()
         return response
 
     def _jobs(

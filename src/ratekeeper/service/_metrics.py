@@ -23,6 +23,8 @@ the same registry; this module adds what only the service knows:
   descriptors), ``bad_request`` (INVALID_ARGUMENT, 400), ``token`` (a refused reservation token)
 * ``ratekeeper_service_unavailable_total``: descriptors the store could not decide under
   ``failure_mode="raise"`` (the RPC failed with UNAVAILABLE)
+* ``ratekeeper_service_global_shadow_mode_total``: requests ``--shadow-mode`` answered OK
+  although a descriptor was over its limit (upstream's ``global_shadow_mode``)
 * ``ratekeeper_service_config_reloads_total{outcome}``: ``ok`` or ``error``
 * ``ratekeeper_service_config_loaded_timestamp_seconds``: when the configuration in force loaded
 * ``ratekeeper_service_worker_info{pid}``: the process that answered the scrape
@@ -176,6 +178,11 @@ class ServiceMetrics:
             "Descriptors the store could not decide under failure_mode=raise.",
             **options,
         )
+        self.shadowed = prom.Counter(
+            "global_shadow_mode",
+            "Requests answered OK by --shadow-mode although a descriptor was over its limit.",
+            **options,
+        )
         self.reloads = prom.Counter(
             "config_reloads", "Configuration reloads, by outcome.", ("outcome",), **options
         )
@@ -301,6 +308,9 @@ class ServiceMetrics:
 
     def unavailable(self) -> None:
         self.unavailable_total.inc()
+
+    def global_shadow_mode(self) -> None:
+        self.shadowed.inc()
 
     def reloaded(self, ok: bool) -> None:
         self.reloads.labels("ok" if ok else "error").inc()

@@ -174,6 +174,8 @@ def upstream_families(families: Iterable[Any]) -> list[Any]:
             elif name == "ratekeeper_service_domain_not_found":
                 domain = sanitize_stat_name(labels["domain"])
                 out.counter(f"ratelimit.service.rate_limit.{domain}.domain_not_found", sample.value)
+            elif name == "ratekeeper_service_global_shadow_mode":
+                out.counter("ratelimit.service.global_shadow_mode", sample.value)
             elif name == "ratekeeper_service_config_reloads":
                 stat = "success" if labels["outcome"] == "ok" else "error"
                 out.counter(f"ratelimit.service.config_load_{stat}", sample.value)
