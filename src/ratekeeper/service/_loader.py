@@ -13,9 +13,11 @@ which upstream refuses too, still stop at the first.
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, cast
@@ -101,6 +103,21 @@ class UpstreamLenient(ConfigError):
         return (type(self), (list(self.errors),))
 
 
+@contextlib.contextmanager
+def _collector_paused() -> Iterator[None]:
+    """The cyclic garbage collector off while a configuration loads: the nodes and rules it
+    builds are millions of objects that live on (or are freed by their counts), and the
+    collector's passes over them took two thirds of the time (100,000 rules: 15.8 s, 5.1 s
+    without them). It runs again afterwards."""
+    paused = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if paused:
+            gc.enable()
+
+
 def load_config(
     path: str | os.PathLike[str],
     *,
@@ -147,11 +164,12 @@ def load_config(
     else:
         raise ConfigError(f"{os.fspath(path)}: no such configuration file or directory")
     domains = _Domains(merge_domains)
-    for file in files:
-        source = str(file)
-        loader = _FileLoader(source, portable, findings, domains)
-        loader.load(read(source))
-    config = domains.finish()
+    with _collector_paused():
+        for file in files:
+            source = str(file)
+            loader = _FileLoader(source, portable, findings, domains)
+            loader.load(read(source))
+        config = domains.finish()
     if findings:
         raise UpstreamLenient(sorted(findings, key=lambda e: (e.path, e.line, e.column)))
     return config
