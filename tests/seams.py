@@ -65,10 +65,9 @@ def spy_on_the_wire(monkeypatch: pytest.MonkeyPatch) -> Wire:
     monkeypatch.setattr(redis.asyncio.connection.AbstractConnection, "send_packed_command", spy)
     send = Link.send
 
-    def link_spy(self: Link, packed: bytes, *args: Any) -> Any:
-        assert self.transport is not None
-        seen.record(self.transport.get_extra_info("peername")[1], packed)
-        return send(self, packed, *args)
+    def link_spy(self: Link, packed: bytes, *args: Any, **kwargs: Any) -> Any:
+        seen.record(self.sock.getpeername()[1], packed)
+        return send(self, packed, *args, **kwargs)
 
     monkeypatch.setattr(Link, "send", link_spy)
     return seen

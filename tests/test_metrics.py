@@ -34,6 +34,7 @@ from ratekeeper.metrics import (
     DECISIONS,
     DEGRADED,
     DENY_CACHE_HITS,
+    LOOP_LAG,
     STORE_LATENCY,
     Instrument,
     Metrics,
@@ -87,6 +88,7 @@ SCENARIO_COUNTS: Counts = {
     (DENY_CACHE_HITS, ("api",)): 4,
     (STORE_LATENCY, ("ok",)): 4,
     (STORE_LATENCY, ("error",)): 2,
+    (LOOP_LAG, ()): 4,  # one for each call that succeeded
     (BREAKER_STATE, ("",)): 2,
     (BREAKER_TRANSITIONS, ("closed", "open", "")): 1,
 }
@@ -95,6 +97,7 @@ RECOVERED_COUNTS: Counts = {
     **SCENARIO_COUNTS,
     (DECISIONS, ("api", "allowed")): 6,
     (STORE_LATENCY, ("ok",)): 6,
+    (LOOP_LAG, ()): 6,
     (BREAKER_STATE, ("",)): 0,
     (BREAKER_TRANSITIONS, ("open", "half_open", "")): 1,
     (BREAKER_TRANSITIONS, ("half_open", "closed", "")): 1,
@@ -105,6 +108,7 @@ BACKEND_COUNTS: Counts = {
     (DECISIONS, ("everywhere", "denied")): 2,
     (DENY_CACHE_HITS, ("everywhere",)): 1,
     (STORE_LATENCY, ("ok",)): 4,
+    (LOOP_LAG, ()): 4,
     (BREAKER_STATE, ("",)): 0,
 }
 
@@ -190,6 +194,7 @@ def test_prometheus_local_mode_and_a_namespace():
         key("shop_decisions_total", policy="cart", outcome="denied"): 1.0,
         key("shop_degraded_decisions_total", policy="cart", reason="unavailable/local"): 3.0,
         key("shop_store_latency_seconds_count", outcome="error"): 3.0,
+        key("shop_loop_lag_seconds_count"): 0.0,  # no reply came: none waited
         key("shop_breaker_state", node=""): 0.0,  # never moved
     }
 

@@ -142,6 +142,7 @@ def test_names_units_descriptions_and_buckets(sdk: SDK):
         "ratekeeper.decisions",
         "ratekeeper.degraded_decisions",
         "ratekeeper.deny_cache.hits",
+        "ratekeeper.loop.lag",
         "ratekeeper.store.duration",
     ]
     for instrument in INSTRUMENTS:
@@ -165,9 +166,10 @@ def test_names_units_descriptions_and_buckets(sdk: SDK):
         data = found[f"ratekeeper.{name}"].data
         assert isinstance(data, Sum)
         assert data.is_monotonic
-    for point in found["ratekeeper.store.duration"].data.data_points:
-        assert tuple(point.explicit_bounds) == LATENCY_BUCKETS
-        assert point.min >= 0
+    for name in ("store.duration", "loop.lag"):
+        for point in found[f"ratekeeper.{name}"].data.data_points:
+            assert tuple(point.explicit_bounds) == LATENCY_BUCKETS
+            assert point.min >= 0
 
 
 def test_a_meter_and_a_namespace(sdk: SDK):
@@ -186,6 +188,7 @@ def test_a_meter_and_a_namespace(sdk: SDK):
         ("shop.decisions", (("shop.outcome", "allowed"), ("shop.policy", "cart"))): 2,
         ("shop.decisions", (("shop.outcome", "denied"), ("shop.policy", "cart"))): 1,
         ("shop.store.duration", (("shop.outcome", "ok"),)): 3,
+        ("shop.loop.lag", ()): 3,
         ("shop.breakers", (("shop.breaker.state", "closed"), ("shop.node", ""))): 1,  # not moved
     }
 

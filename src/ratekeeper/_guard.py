@@ -37,7 +37,7 @@ from ._errors import (
 from ._fleet import AutoShare, Fleet, check_local_share
 from ._policy import FAILURE_MODES, Policy
 from ._rates import Rate
-from ._storage.base import SENT
+from ._storage.base import ROUND_TRIP
 from ._storage.memory import MemoryStorage
 from .metrics import Metrics
 
@@ -63,6 +63,18 @@ _MAX_LOCAL_POLICIES = 1024
 #: cost 1 are cached: until such a hit fits, nothing about its decision changes but the clock
 #: (a larger cost's ``remaining`` can grow while it still does not fit).
 _CACHEABLE = frozenset({"sliding_log", "sliding_window", "fixed_window", "gcra", "token_bucket"})
+
+
+def _round_trip(started: float, now: float) -> tuple[float, float]:
+    """When the store call that began at ``started`` (and ended for us at ``now``) was sent and
+    answered, as the storage tells (``ROUND_TRIP``): its last round trip, from the write to the
+    reply's arrival in this process. Whatever the storage does not say is ``started`` and
+    ``now``; a round trip that began before ``started`` is another call's."""
+    trip = ROUND_TRIP.get()
+    if trip is None or trip.sent < started:
+        return started, now
+    answered = trip.answered
+    return trip.sent, answered if trip.sent <= answered <= now else now
 
 
 class _Throttled:
@@ -131,6 +143,8 @@ class Guard:
         #: Whether the metrics hook counts anything (the default one does not: not called on
         #: the hot path).
         self._counting = type(self.metrics) is not Metrics
+        #: The hook's ``loop_lag``, if it has one (an object with Metrics' older methods may not).
+        self._lag: Callable[[float], None] | None = getattr(self.metrics, "loop_lag", None)
         self.breaker.add_listener(self.metrics.breaker_transition)
         self.breaker.add_listener(self._log_transition)
         #: Which node serves a key (None: the storage has one server, or cannot tell yet).
@@ -234,14 +248,18 @@ class Guard:
     ) -> Decision:
         now = time.perf_counter()
         elapsed = now - started
-        if elapsed > breaker.slow_call:
-            # Maybe not the store's time: the storage says when the call's last round trip
-            # began (``SENT``), after a queue, a new connection or a script load.
-            elapsed = now - max(started, SENT.get())
-        breaker.record(True, elapsed)
         counting = self._counting
-        if counting:
-            self.metrics.store_call(elapsed, True)
+        if elapsed > breaker.slow_call or counting:
+            # Maybe not the store's time: the storage says when the call's last round trip
+            # began (after a queue, a new connection or a script load) and when its reply
+            # arrived (a busy event loop may have read it, and resumed us, much later).
+            sent, answered = _round_trip(started, now)
+            elapsed = answered - sent
+            if counting:
+                self.metrics.store_call(elapsed, True)
+                if self._lag is not None:
+                    self._lag(now - answered)
+        breaker.record(True, elapsed)
         decision = self.core.decide(call, reply)
         mode = call.mode
         if mode in SETTLES:  # not a decision of a request: settling one made earlier
@@ -269,8 +287,8 @@ class Guard:
     def failed(
         self, call: Call, exc: StorageError, started: float, breaker: CircuitBreaker
     ) -> Decision:
-        started = max(started, SENT.get())  # the call's last round trip, as in succeeded
-        elapsed = time.perf_counter() - started
+        started, answered = _round_trip(started, time.perf_counter())  # as in succeeded
+        elapsed = answered - started
         if isinstance(exc, StorageResponseError):
             # The store answered (OOM, READONLY, CLUSTERDOWN, LOADING, ...): it is up, so the
             # breaker counts an answer, not an outage, and what the store can still deny (a
@@ -293,7 +311,8 @@ class Guard:
     def rejected(self, started: float, breaker: CircuitBreaker) -> None:
         """The store refused the request itself (RequestRejected): it is up and answering, so
         the call counts as a good one for the breaker (and ends a half-open probe)."""
-        elapsed = time.perf_counter() - max(started, SENT.get())
+        sent, answered = _round_trip(started, time.perf_counter())
+        elapsed = answered - sent
         breaker.record(True, elapsed)
         self.metrics.store_call(elapsed, True)
 
@@ -304,7 +323,8 @@ class Guard:
         return breaker.state is BreakerState.CLOSED
 
     def beat_succeeded(self, started: float, breaker: CircuitBreaker) -> None:
-        elapsed = time.perf_counter() - started
+        sent, answered = _round_trip(started, time.perf_counter())
+        elapsed = answered - sent
         breaker.record(True, elapsed)
         self.metrics.store_call(elapsed, True)
 
@@ -320,7 +340,8 @@ class Guard:
         caller's decision is already made). A rejected one (someone wrote another type to the
         fleet key) means the store is up: logged as an error, and the count stays as it
         was."""
-        elapsed = time.perf_counter() - started
+        started, answered = _round_trip(started, time.perf_counter())
+        elapsed = answered - started
         rejected = isinstance(exc, (RequestRejected, StorageResponseError))
         breaker.record(rejected, elapsed, None if rejected else started)
         self.metrics.store_call(elapsed, rejected)

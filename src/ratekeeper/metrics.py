@@ -34,7 +34,14 @@ class Metrics:
         made (``"deny_cache"`` for a local answer to a recent exact denial)."""
 
     def store_call(self, seconds: float, ok: bool) -> None:
-        """After every store call, with its wall time and whether it succeeded."""
+        """After every store call, with the store's time for it (from the write of its last
+        round trip to its reply's arrival in this process) and whether it succeeded."""
+
+    def loop_lag(self, seconds: float) -> None:
+        """After every store call that succeeded, how long its reply waited in this process
+        after it arrived, until the caller resumed: an asyncio limiter's event-loop lag (a
+        busy loop reads replies late), a blocking one's wait for its thread to run. The
+        application's latency, not the store's: never held against the store."""
 
     def breaker_transition(self, old: BreakerState, new: BreakerState) -> None:
         """When the store's circuit breaker changes state (one server; on a cluster or
@@ -92,8 +99,12 @@ DENY_CACHE_HITS = Instrument(
     "Hits answered by the local cache of exact denials", ("policy",),
 )  # fmt: skip
 STORE_LATENCY = Instrument(
-    "histogram", "store_latency_seconds", "store.duration", "s", "Wall time of store calls",
-    ("outcome",),
+    "histogram", "store_latency_seconds", "store.duration", "s",
+    "The store's time for a call: from the write to the reply's arrival", ("outcome",),
+)  # fmt: skip
+LOOP_LAG = Instrument(
+    "histogram", "loop_lag_seconds", "loop.lag", "s",
+    "How long store replies waited in this process for the caller to resume (event-loop lag)",
 )  # fmt: skip
 BREAKER_STATE = Instrument(
     "state", "breaker_state", "breakers", "{breaker}", "Circuit breaker state",
@@ -105,7 +116,7 @@ BREAKER_TRANSITIONS = Instrument(
 )  # fmt: skip
 
 #: Every instrument both adapters export; each adapter's docstring gives the names it exports.
-INSTRUMENTS = (DECISIONS, DEGRADED, DENY_CACHE_HITS, STORE_LATENCY, BREAKER_STATE,
+INSTRUMENTS = (DECISIONS, DEGRADED, DENY_CACHE_HITS, STORE_LATENCY, LOOP_LAG, BREAKER_STATE,
                BREAKER_TRANSITIONS)  # fmt: skip
 
 #: Histogram buckets for store latency, in seconds: 100 us to 1 s.
@@ -138,6 +149,9 @@ class _Exporter(Metrics):
     def store_call(self, seconds: float, ok: bool) -> None:
         self._record(STORE_LATENCY, ("ok" if ok else "error",), seconds)
 
+    def loop_lag(self, seconds: float) -> None:
+        self._record(LOOP_LAG, (), seconds)
+
     def breaker_transition(self, old: BreakerState, new: BreakerState) -> None:
         self.node_breaker_transition("", old, new)
 
@@ -159,7 +173,10 @@ class PrometheusMetrics(_Exporter):
     * ``<ns>_decisions_total{policy, outcome}``: outcome ``allowed`` or ``denied``
     * ``<ns>_degraded_decisions_total{policy, reason}``
     * ``<ns>_deny_cache_hits_total{policy}``
-    * ``<ns>_store_latency_seconds{outcome}``: a histogram; outcome ``ok`` or ``error``
+    * ``<ns>_store_latency_seconds{outcome}``: a histogram of the store's time (the write to
+      the reply's arrival); outcome ``ok`` or ``error``
+    * ``<ns>_loop_lag_seconds``: a histogram of how long replies waited in the process for
+      their callers to resume (event-loop lag)
     * ``<ns>_breaker_state{node}``: 0 closed, 1 half-open, 2 open
     * ``<ns>_breaker_transitions_total{from_state, to_state, node}``
 
@@ -201,7 +218,8 @@ class PrometheusMetrics(_Exporter):
         self._made[instrument].labels(*values).inc()
 
     def _record(self, instrument: Instrument, values: tuple[str, ...], value: float) -> None:
-        self._made[instrument].labels(*values).observe(value)
+        made = self._made[instrument]
+        (made.labels(*values) if values else made).observe(value)
 
     def _set_state(self, node: str, old: BreakerState | None, new: BreakerState) -> None:
         self.breaker_state.labels(node).set(_STATE_VALUES[new])
@@ -217,6 +235,8 @@ class OTelMetrics(_Exporter):
     * ``<ns>.deny_cache.hits`` (counter, ``{hit}``): ``<ns>.policy``
     * ``<ns>.store.duration`` (histogram, ``s``): ``<ns>.outcome`` (``ok`` or ``error``);
       the same bucket boundaries as Prometheus, given as advice the SDK's views may override
+    * ``<ns>.loop.lag`` (histogram, ``s``): how long replies waited in the process for their
+      callers to resume (event-loop lag), with the same boundaries
     * ``<ns>.breakers`` (UpDownCounter, ``{breaker}``): ``<ns>.breaker.state`` (``closed``,
       ``half_open`` or ``open``), ``<ns>.node``: the number of breakers in each state. Each
       adapter counts the store's one breaker (node empty), closed from the start, and each

@@ -8,15 +8,28 @@ from typing import Protocol
 
 from .._scripts import Script
 
-__all__ = ["SENT", "AsyncStorage", "SyncStorage", "redact"]
+__all__ = ["ROUND_TRIP", "AsyncStorage", "RoundTrip", "SyncStorage", "redact"]
 
-#: When the current task's (or thread's) last store call began its last round trip
-#: (``time.perf_counter()``), set by the storages where that differs from when the caller
-#: asked, so that the limiter's breaker judges the store by its own time: not by a call's time
+
+class RoundTrip(Protocol):
+    """The store's own time for a call: its last round trip (``time.perf_counter()``)."""
+
+    #: When the last round trip began: the write (0.0 if the storage did not say).
+    sent: float
+    #: When its reply reached this process: the kernel's receive time where the transport
+    #: reads it, else when it was read (0.0 if the storage did not say).
+    answered: float
+
+
+#: The current task's (or thread's) last store call, as the storages that can tell set it, so
+#: that the limiter's breaker and metrics judge the store by its own time: not by a call's time
 #: in a batching queue (a burst of thousands of calls from one ``asyncio.gather`` queues for as
 #: long as the event loop takes to work through it), nor by a new connection's set-up
-#: (connect, TLS, AUTH) or a script load before it.
-SENT: ContextVar[float] = ContextVar("ratekeeper_store_sent", default=0.0)
+#: (connect, TLS, AUTH) or a script load before it, nor by the time its reply waited for a busy
+#: event loop to read it and resume the caller. The guard reads it only for a call that took
+#: longer than the breaker's ``slow_call`` (or failed), and only a round trip that began after
+#: the call did (an older one is another call's).
+ROUND_TRIP: ContextVar[RoundTrip | None] = ContextVar("ratekeeper_round_trip", default=None)
 
 
 class SyncStorage(Protocol):

@@ -10,7 +10,8 @@ One job per module:
 ``_wire``          what the transports share: rounds packed, replies read, idle sockets checked
 ``_blocking``      the blocking transport to one server
 ``_pipeline``      the asyncio pipeline: many exchanges over one redis-py connection
-``_link``          one of ratekeeper's own asyncio connections: an ``asyncio.Protocol``
+``_link``          one of ratekeeper's own asyncio connections, its replies stamped on arrival
+``_connect``       opening one by a deadline that the kernel's view decides, not the loop's
 ``_protocol``      the pool of those links to one server, and the exchanges driven over them
 ``_batch``         auto-batching of asyncio calls into pipelines
 ``_command``       redis-py's command path (clusters)

@@ -5,8 +5,8 @@ in the next one, on one connection (in a cluster, one per node; calls it cannot 
 are redirected go through redis-py's cluster client, ``_command``). ``batching=False`` sends
 each call on its own. Every script call is an ``Exchange``, whichever way it goes.
 
-Which connections carry them: to one server opened from a URL, ratekeeper's own
-(``_protocol``: ``asyncio.Protocol`` links read by hiredis), configured as redis-py would
+Which connections carry them: to one server opened from a URL, ratekeeper's own (``_protocol``:
+non-blocking sockets read by hiredis, replies stamped on arrival), configured as redis-py would
 configure its own; where those cannot serve (a connection option only redis-py honours,
 Sentinel, a user's own client), redis-py's connections through ``_pipeline``; a cluster,
 ``_pipeline`` per node and ``_command``.
@@ -30,7 +30,7 @@ import redis.asyncio.cluster
 
 from ..._errors import StorageError
 from ..._scripts import Script
-from ..base import SENT
+from ..base import ROUND_TRIP
 from ._batch import Batcher, Pending
 from ._command import arun_command_path
 from ._compat import aget_connection, check_versions, release_node_connection
@@ -146,7 +146,7 @@ class AsyncRedisStorage:
             try:
                 reply: list[int] = await pending.future
             finally:
-                SENT.set(pending.exchange.sent)  # for the limiter: the store's time, not ours
+                ROUND_TRIP.set(pending.exchange)  # for the limiter: the store's time, not ours
         else:
             exchange = Exchange(script, keys, args)
             if self._links is not None:
@@ -156,7 +156,7 @@ class AsyncRedisStorage:
             else:
                 await self._drive([exchange], keep=False)
             if exchange.sent:
-                SENT.set(exchange.sent)
+                ROUND_TRIP.set(exchange)
             reply = exchange.outcome()
         if not self._checked_eviction:
             await self._check_eviction()

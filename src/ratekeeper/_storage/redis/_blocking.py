@@ -39,7 +39,7 @@ from typing import Any
 import redis
 
 from ..._scripts import Script
-from ..base import SENT
+from ..base import ROUND_TRIP
 from ._compat import get_connection
 from ._errors import CLIENT_ERRORS, IO_ERRORS, translate
 from ._exchange import DONE, RECONNECT, Exchange
@@ -92,7 +92,7 @@ class BlockingTransport:
         finally:
             self._give(connection)
         if exchange.sent:
-            SENT.set(exchange.sent)
+            ROUND_TRIP.set(exchange)
         return exchange.outcome()
 
     def execute(self, *command: Any) -> Any:

@@ -69,6 +69,7 @@ class Exchange:
         "_call",
         "_reconnected",
         "_stage",
+        "answered",
         "command",
         "done",
         "error",
@@ -100,6 +101,10 @@ class Exchange:
         #: where it differs from when the caller asked: after a queue, a new connection or a
         #: script load; 0.0 if it did not. The breaker judges the store by that round trip.
         self.sent = 0.0
+        #: When its reply reached this process (``time.perf_counter()``): the kernel's
+        #: receive time on ratekeeper's own TCP links (``_link``), else when it was read where
+        #: the transport says; 0.0 where it does not (then: when the caller got it).
+        self.answered = 0.0
 
     def replied(self, reply: Any) -> int:
         """The server answered ``command`` with ``reply`` (an error reply as an exception)."""

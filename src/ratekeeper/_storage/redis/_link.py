@@ -1,8 +1,22 @@
-"""One of ratekeeper's own asyncio connections: an ``asyncio.Protocol`` that writes a round of
-commands and reads their replies with hiredis (``_wire.new_reader``), as ``Round`` objects in
-the order sent; before a write, ``usable`` says whether the server closed it while it was idle
-(``_wire.IdleCheck``). The pool of them, and what a round means for the exchanges it carries,
-is ``_protocol``.
+"""One of ratekeeper's own asyncio connections: a non-blocking socket the event loop watches,
+that writes a round of commands and reads their replies with hiredis (``_wire.new_reader``), as
+``Round`` objects in the order sent; before a write, ``usable`` says whether the server closed it
+while it was idle (``_wire.IdleCheck``). The pool of them, and what a round means for the
+exchanges it carries, is ``_protocol``.
+
+**The store's time, not the loop's.** A reply is stamped with when it reached this process, not
+when a busy event loop got round to reading it: on TCP the kernel stamps every segment it
+receives (``SO_TIMESTAMPNS``, read with ``recvmsg``), and the stamp, moved onto
+``time.perf_counter``'s clock, is the reply's ``arrived`` time. A round's deadline is judged by
+it: a reply that arrived within ``timeout`` of the write is a reply however late the loop read
+it, and one that arrived after the deadline is a timeout however early the loop read it. Before
+a round is given up (``_protocol``'s timer), the socket is read once more (``drain``): a reply
+waiting there, unread because the loop was busy, is found and judged by its stamp. That is why
+the link reads its socket itself (``loop.add_reader``) rather than through an asyncio transport,
+which reads with ``recv`` and keeps no stamp: TLS goes through an ``ssl.SSLObject`` on memory
+buffers, as asyncio's own TLS does, so its raw segments are stamped too. A unix socket has no
+stamps: there ``arrived`` is when the loop read the reply (``stamped`` is False), and only the
+deadline's last read applies.
 
 redis-py internals: none here (the reader's, in ``_wire``).
 """
@@ -10,6 +24,11 @@ redis-py internals: none here (the reader's, in ``_wire``).
 from __future__ import annotations
 
 import asyncio
+import socket
+import ssl
+import struct
+import sys
+import time
 from collections import deque
 from typing import TYPE_CHECKING, Any
 
@@ -23,16 +42,51 @@ from ._wire import INCOMPLETE, IdleCheck, new_reader
 if TYPE_CHECKING:
     from ._protocol import Links
 
-__all__ = ["Link", "Round"]
+__all__ = ["Link", "Round", "stamps_on"]
+
+#: The most bytes one read takes from the socket.
+_READ = 262_144
+#: Linux's ``SO_TIMESTAMPNS`` (Python's ``socket`` module does not name it): every received
+#: segment is stamped with the kernel's ``CLOCK_REALTIME``, handed over by ``recvmsg``.
+_SO_TIMESTAMPNS = getattr(socket, "SO_TIMESTAMPNS", 35 if sys.platform == "linux" else None)
+_ANCILLARY = socket.CMSG_SPACE(16)
+_TIMESPEC = {16: struct.Struct("@qq"), 8: struct.Struct("@ii")}
+
+
+def stamps_on(sock: socket.socket) -> bool:
+    """Ask the kernel to stamp what ``sock`` receives; whether it will (TCP on Linux)."""
+    if _SO_TIMESTAMPNS is None or sock.family not in (socket.AF_INET, socket.AF_INET6):
+        return False
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, _SO_TIMESTAMPNS, 1)
+    except OSError:
+        return False
+    return True
+
+
+def _arrived(ancillary: list[tuple[int, int, bytes]]) -> float:
+    """When the newest segment of a read reached the socket, on ``time.perf_counter``'s clock
+    (when it was read, if the kernel gave no stamp). Only the time it waited unread is taken
+    from the wall clock, so a step of the wall clock moves nothing else."""
+    now = time.perf_counter()
+    for level, kind, data in ancillary:
+        if level == socket.SOL_SOCKET and kind == _SO_TIMESTAMPNS:
+            layout = _TIMESPEC.get(len(data))
+            if layout is not None:
+                seconds, nanos = layout.unpack(data)
+                waited = time.time() - (seconds + nanos * 1e-9)
+                return now - waited if waited > 0 else now
+    return now
 
 
 class Round:
     """The replies of one write: ``count`` of them, in order, into ``replies``. With ``slots``
     (the calls each reply answers), each reply is handed to its calls as it arrives: a call
     whose exchange it ends is settled there and then; the others wait in ``again`` for the
-    next round."""
+    next round. ``deadline``: the ``perf_counter`` time by which a reply must have arrived
+    (judged by its stamp); a later one ends its calls with ``late``."""
 
-    __slots__ = ("again", "count", "future", "pool", "replies", "slots")
+    __slots__ = ("again", "count", "deadline", "future", "late", "pool", "replies", "slots")
 
     def __init__(
         self,
@@ -40,6 +94,7 @@ class Round:
         future: asyncio.Future[None],
         slots: list[list[Pending]] | None,
         pool: Links | None,
+        deadline: float,
     ) -> None:
         self.count = count
         self.future = future
@@ -47,31 +102,133 @@ class Round:
         #: Where the link goes back once the round ends with every call settled: at once, so
         #: that the callers it wakes find it idle.
         self.pool = pool
+        self.deadline = deadline
+        self.late: Exception | None = None
         self.replies: list[Any] = []
         self.again: list[Pending] = []
 
 
-class Link(asyncio.Protocol):
-    """One connection: rounds written in one go, replies read by hiredis as they arrive."""
+class Link:
+    """One connection: rounds written in one go, replies read and stamped as they arrive."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        sock: socket.socket,
+        tls: ssl.SSLObject | None = None,
+        incoming: ssl.MemoryBIO | None = None,
+        outgoing: ssl.MemoryBIO | None = None,
+    ) -> None:
         self.loop = loop
-        self.transport: asyncio.Transport | None = None
+        self.sock = sock
+        self._fd = sock.fileno()
+        self._tls = tls
+        #: Whether the connection is TLS (``ssl.SSLObject`` on memory buffers).
+        self.encrypted = tls is not None
+        self._incoming = incoming
+        self._outgoing = outgoing
+        #: Whether replies carry the kernel's receive time (TCP on Linux).
+        self.stamped = stamps_on(sock)
         self.reader = new_reader()
         self.rounds: deque[Round] = deque()
         #: Set once the connection is lost (then ``rounds`` is empty for good).
         self.lost: BaseException | None = None
         self.gone: asyncio.Future[None] = loop.create_future()
-        self._idle: IdleCheck | None = None
+        self._pending = bytearray()  # written, not yet taken by the kernel
+        self._idle = IdleCheck(sock, tls=tls is not None)
+        loop.add_reader(self._fd, self._readable)
 
-    # --- asyncio.Protocol -------------------------------------------------------------------
+    # --- the socket -------------------------------------------------------------------------
 
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]
-        tls = transport.get_extra_info("sslcontext") is not None
-        self._idle = IdleCheck(transport.get_extra_info("socket"), tls=tls)
+    def _readable(self) -> bool:
+        """The loop saw the socket readable (or ``drain`` asks): read what is there. Whether
+        anything was."""
+        try:
+            if self.stamped:
+                data, ancillary, _, _ = self.sock.recvmsg(_READ, _ANCILLARY)
+                arrived = _arrived(ancillary)
+            else:
+                data = self.sock.recv(_READ)
+                arrived = time.perf_counter()
+        except (BlockingIOError, InterruptedError):
+            return False
+        except OSError as exc:
+            self._close(exc)
+            return False
+        if not data:
+            self._close(redis.ConnectionError("Connection closed by server."))
+            return False
+        if self._tls is not None:
+            plain = self._decrypt(data)
+            if plain is None:
+                return True
+            data = plain
+        self._replies(data, arrived)
+        return True
 
-    def data_received(self, data: bytes) -> None:
+    def drain(self) -> None:
+        """Read whatever has arrived that the loop has not read yet (it was busy)."""
+        while self.lost is None and self._readable():
+            pass
+
+    def _decrypt(self, data: bytes) -> bytes | None:
+        """The plain bytes in ``data``, TLS records read from the socket; None if none."""
+        assert self._tls is not None
+        assert self._incoming is not None
+        self._incoming.write(data)
+        chunks = []
+        try:
+            while True:
+                chunk = self._tls.read(_READ)
+                if not chunk:
+                    break
+                chunks.append(chunk)
+        except ssl.SSLWantReadError:
+            pass
+        except ssl.SSLZeroReturnError:
+            self._close(redis.ConnectionError("Connection closed by server."))
+            return None
+        except ssl.SSLError as exc:
+            self._close(redis.ConnectionError(f"TLS error: {exc}"))
+            return None
+        self._flush_tls()  # a key update or alert the TLS layer answers
+        return b"".join(chunks) or None
+
+    def _flush_tls(self) -> None:
+        assert self._outgoing is not None
+        if self._outgoing.pending:
+            self._write(self._outgoing.read())
+
+    def _write(self, data: bytes) -> None:
+        if self._pending:
+            self._pending += data
+            return
+        try:
+            sent = self.sock.send(data)
+        except (BlockingIOError, InterruptedError):
+            sent = 0
+        except OSError as exc:
+            self._close(exc)
+            return
+        if sent < len(data):
+            self._pending += data[sent:]
+            self.loop.add_writer(self._fd, self._writable)
+
+    def _writable(self) -> None:
+        try:
+            sent = self.sock.send(self._pending)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError as exc:
+            self._close(exc)
+            return
+        del self._pending[:sent]
+        if not self._pending:
+            self.loop.remove_writer(self._fd)
+
+    # --- replies ----------------------------------------------------------------------------
+
+    def _replies(self, data: bytes, arrived: float) -> None:
         reader = self.reader
         reader.feed(data)
         rounds = self.rounds
@@ -84,45 +241,51 @@ class Link(asyncio.Protocol):
                 replies = current.replies
                 slots = current.slots
                 if slots is not None:
-                    for call in slots[len(replies)]:
-                        if call.exchange.replied(reply) == DONE:
+                    if self.stamped and arrived > current.deadline:
+                        if current.late is None:
+                            current.late = redis.TimeoutError(
+                                "the reply arrived after the deadline"
+                            )
+                        for call in slots[len(replies)]:
+                            call.exchange.answered = arrived
+                            call.exchange.timed_out(current.late)
                             call.settle()
-                        else:
-                            current.again.append(call)
+                    else:
+                        for call in slots[len(replies)]:
+                            exchange = call.exchange
+                            exchange.answered = arrived
+                            if exchange.replied(reply) == DONE:
+                                call.settle()
+                            else:
+                                current.again.append(call)
+                elif self.stamped and arrived > current.deadline and current.late is None:
+                    current.late = redis.TimeoutError("the reply arrived after the deadline")
                 replies.append(reply)
                 if len(replies) == current.count:
                     rounds.popleft()
                     if current.pool is not None and not current.again:
                         current.pool.give(self)
                     if not current.future.done():
-                        current.future.set_result(None)
+                        if current.late is not None and slots is None:
+                            current.future.set_exception(current.late)
+                        else:
+                            current.future.set_result(None)
                 reply = reader.gets()
         except InvalidResponse as exc:
             self.abort(exc)
         except Exception as exc:  # a bug, not the store: the round's waiter raises it
             self.abort(exc)
 
-    def eof_received(self) -> bool:
-        return False  # close the transport: connection_lost follows
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        lost = exc if exc is not None else redis.ConnectionError("Connection closed by server.")
-        self._fail(lost)
-        if not self.gone.done():
-            self.gone.set_result(None)
-
-    # --- used by ``run`` --------------------------------------------------------------------
+    # --- used by ``_protocol`` --------------------------------------------------------------
 
     @property
     def usable(self) -> bool:
         """Open, as far as the loop has seen, and not found closed by the server while idle
         (``IdleCheck``; over TLS only what the loop has seen counts). Checked before each
         write."""
-        transport = self.transport
-        if self.lost is not None or transport is None or transport.is_closing():
+        if self.lost is not None:
             return False
-        idle = self._idle
-        return idle is None or bool(self.rounds) or not idle.closed()
+        return bool(self.rounds) or not self._idle.closed()
 
     def send(
         self,
@@ -130,32 +293,44 @@ class Link(asyncio.Protocol):
         count: int,
         slots: list[list[Pending]] | None = None,
         pool: Links | None = None,
+        deadline: float = float("inf"),
     ) -> Round:
         """Write ``packed`` (``count`` commands) and return the round their replies go to
         (and, with ``slots``, the calls each answers; with ``pool``, where the link goes back
-        once they are all settled)."""
-        current = Round(count, self.loop.create_future(), slots, pool)
+        once they are all settled; ``deadline``, by when their replies must arrive)."""
+        current = Round(count, self.loop.create_future(), slots, pool, deadline)
         self.rounds.append(current)
-        assert self.transport is not None
-        self.transport.write(packed)
+        if self._tls is not None:
+            self._tls.write(packed)
+            self._flush_tls()
+        else:
+            self._write(packed)
         return current
 
     def abort(self, exc: BaseException) -> None:
         """Close at once: every round still waiting fails with ``exc``."""
-        self._fail(exc)
-        if self.transport is not None:
-            self.transport.abort()
+        self._close(exc)
 
-    def _fail(self, exc: BaseException) -> None:
+    def _close(self, exc: BaseException) -> None:
+        open_loop = not self.loop.is_closed()
         if self.lost is None:
             self.lost = exc
+            if open_loop:
+                self.loop.remove_reader(self._fd)
+                if self._pending:
+                    self.loop.remove_writer(self._fd)
+            self.sock.close()
+        if not open_loop:  # its futures can no longer call back
+            self.rounds = deque()
+            return
         rounds, self.rounds = self.rounds, deque()
         for waiting in rounds:
             if not waiting.future.done():
                 waiting.future.set_exception(exc)
                 waiting.future.exception()  # retrieved: a round nobody awaits logs nothing
+        if not self.gone.done():
+            self.gone.set_result(None)
 
     async def close(self) -> None:
-        if self.transport is not None and not self.gone.done():
+        if self.lost is None:
             self.abort(redis.ConnectionError("closed by ratekeeper"))
-            await self.gone

@@ -1,21 +1,21 @@
-"""The asyncio transport to one server: ``asyncio.Protocol`` connections read by hiredis.
+"""The asyncio transport to one server: ratekeeper's own connections, read by hiredis.
 
-A ``Link`` is one connection. ``Link.send`` writes a packed round of commands in one
-``transport.write`` and returns a ``Round``; ``data_received`` feeds hiredis and hands each
-reply to the exchanges of the calls it answers as it arrives: a call whose exchange ends there
-is resolved there (its caller runs on the loop's next turn), one that needs another command
-(NOSCRIPT) waits for the next round; the link goes back to the pool as the round ends, and the
-round's future wakes the lane's task, which sends what is left or the next batch. No stream
-reader, no coroutine per reply: a round of 200 script calls costs one write, the reads the
-kernel makes, and one wake-up of the task that sent it.
+A ``Link`` is one connection (``_link``). ``Link.send`` writes a packed round of commands in one
+``send`` and returns a ``Round``; each read feeds hiredis and hands each reply to the exchanges
+of the calls it answers as it arrives: a call whose exchange ends there is resolved there (its
+caller runs on the loop's next turn), one that needs another command (NOSCRIPT) waits for the
+next round; the link goes back to the pool as the round ends, and the round's future wakes the
+lane's task, which sends what is left or the next batch. No stream reader, no coroutine per
+reply: a round of 200 script calls costs one write, the reads the kernel makes, and one wake-up
+of the task that sent it.
 
-``Links`` opens and keeps them, configured as redis-py would configure its own connection for
-the same client: the same host and port, unix socket path or TLS context (built by redis-py's
-``SSLConnection`` from the same options), then ``AUTH`` (username and password, or password),
-``CLIENT SETNAME`` and ``SELECT``, sent together, in RESP2. Only a client that redis-py would
-connect that way is served here (``Links.serving``): a connection class, a credential
-provider, RESP3, a retry or any other connection option of the user's keeps redis-py's own
-connections (``_pipeline``), as do clusters, Sentinel and a client of the user's.
+``Links`` opens them (``_connect``) and keeps them, configured as redis-py would configure its
+own connection for the same client: the same host and port, unix socket path or TLS context
+(built by redis-py's ``SSLConnection`` from the same options), then ``AUTH`` (username and
+password, or password), ``CLIENT SETNAME`` and ``SELECT``, sent together, in RESP2. Only a
+client that redis-py would connect that way is served here (``Links.serving``): a connection
+class, a credential provider, RESP3, a retry or any other connection option of the user's keeps
+redis-py's own connections (``_pipeline``), as do clusters, Sentinel and a client of the user's.
 
 What happens to the calls is the exchange's rule (``_exchange``), driven by ``run``:
 
@@ -23,15 +23,18 @@ What happens to the calls is the exchange's rule (``_exchange``), driven by ``ru
   its socket is readable while idle: the server's FIN not yet seen by the loop) is replaced and
   the round goes out on a fresh one, once per call (``unsent(broke=True)``); a link that
   cannot be opened ends the calls (``unsent(broke=False)``);
-- no reply in time: the link is closed, and every call of the round without a reply ends with
-  a timeout, never sent again; a link lost after the write ends the calls still waiting, and
-  only those (a round is on one link), never sent again;
+- no reply in time, judged by when the replies arrived (``_link``: the kernel's receive time),
+  not by when a busy loop read them: when the round's timer fires, what has arrived unread is
+  read first; what is still missing ends with a timeout, never sent again, and the link is
+  closed; a reply that arrived after the deadline is a timeout too (the link stays in step);
+- a link lost after the write ends the calls still waiting, and only those (a round is on one
+  link), never sent again;
 - the round's failure is classified by ``Exchange.failed``, replies by ``_errors.translate``
   through the exchange; error replies are the exception objects redis-py's parser builds
   (``BaseParser.parse_error``, in ``_wire``'s reader).
 
-Anything else raised while a round runs (a bug, a cancellation; in ``data_received`` too,
-where the round's waiter gets it) closes the link, whose replies may still be on their way, and
+Anything else raised while a round runs (a bug, a cancellation; in a read too, where the
+round's waiter gets it) closes the link, whose replies may still be on their way, and
 propagates: the batcher hands it to every caller of the batch not answered yet.
 
 redis-py internals: the pool's ``connection_class`` and ``connection_kwargs``; an asyncio
@@ -42,6 +45,7 @@ Tested with redis-py 5.0.1 (the floor) to 8.1.0, in CI's three environments.
 from __future__ import annotations
 
 import asyncio
+import ssl
 import time
 from typing import Any
 
@@ -49,6 +53,7 @@ import redis
 import redis.asyncio
 
 from ._batch import Pending
+from ._connect import handshake, open_socket
 from ._errors import CLIENT_ERRORS, IO_ERRORS
 from ._exchange import DONE
 from ._link import Link, Round
@@ -181,8 +186,9 @@ class Links:
         """An idle link of the running loop, or None."""
         loop = asyncio.get_running_loop()
         if loop is not self.loop:
-            # Links belong to the loop that opened them; those of a finished loop are
-            # forgotten (the loop closed its transports, or will when it is closed).
+            # Links belong to the loop that opened them; those of a finished loop are closed.
+            for old in list(self.every):
+                old.abort(redis.ConnectionError("its event loop has ended"))
             self.loop = loop
             self.idle = []
             self.every = set()
@@ -207,20 +213,19 @@ class Links:
         loop = asyncio.get_running_loop()
         if self.max_links is not None and len(self.every) >= self.max_links:
             raise redis.ConnectionError("Too many connections")
-        link = Link(loop)
+        deadline = None if self.connect_timeout is None else loop.time() + self.connect_timeout
+        sock = await open_socket(loop, self.address, deadline)
+        tls = incoming = outgoing = None
         try:
-            if "path" in self.address:
-                opening = loop.create_unix_connection(lambda: link, self.address["path"])
-            else:
-                opening = loop.create_connection(
-                    lambda: link, self.address["host"], self.address["port"], ssl=self.ssl
-                )
-            try:
-                await asyncio.wait_for(opening, self.connect_timeout)
-            except (TimeoutError, asyncio.TimeoutError):
-                raise redis.TimeoutError("Timeout connecting to server") from None
-            except OSError as exc:
-                raise redis.ConnectionError(f"Error connecting to the server: {exc}") from exc
+            if self.ssl is not None:
+                incoming, outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
+                tls = self.ssl.wrap_bio(incoming, outgoing, server_hostname=self.address["host"])
+                await handshake(loop, sock, tls, incoming, outgoing, deadline)
+        except BaseException:
+            sock.close()
+            raise
+        link = Link(loop, sock, tls, incoming, outgoing)
+        try:
             self.every.add(link)
             link.gone.add_done_callback(lambda _: self.every.discard(link))
             if self.handshake:
@@ -249,10 +254,11 @@ class Links:
         """Write one round and wait for all its replies; redis-py's errors if the link breaks
         or does not answer in time (then it is closed: a late reply must not be read as
         another's)."""
-        current = link.send(packed, count)
         if self.timeout is None:
+            current = link.send(packed, count)
             await current.future
             return current.replies
+        current = link.send(packed, count, deadline=time.perf_counter() + self.timeout)
         timer = link.loop.call_later(self.timeout, _expire, link, current, self.timeout)
         try:
             await current.future
@@ -319,13 +325,14 @@ class Links:
         for call in calls:
             call.exchange.sent = sent
         slots, packed = pack_round(calls, [call.exchange for call in calls])
-        current = link.send(packed, len(slots), slots, self)
+        timeout = self.timeout
+        if timeout is None:
+            current = link.send(packed, len(slots), slots, self)
+            timer = None
+        else:
+            current = link.send(packed, len(slots), slots, self, sent + timeout)
+            timer = link.loop.call_later(timeout, _expire, link, current, timeout)
         error: Any = None
-        timer = (
-            None
-            if self.timeout is None
-            else link.loop.call_later(self.timeout, _expire, link, current, self.timeout)
-        )
         try:
             await current.future
         except IO_ERRORS as exc:
@@ -342,6 +349,10 @@ class Links:
 
 
 def _expire(link: Link, current: Round, seconds: float) -> None:
-    """No reply in time: the link is closed, and its rounds fail with redis-py's timeout."""
+    """The round's time is up. What arrived and a busy loop has not read yet is read first,
+    and judged by when it arrived (``_link``); if the replies are still not all there, the
+    link is closed, and its rounds fail with redis-py's timeout."""
+    if not current.future.done():
+        link.drain()
     if not current.future.done():
         link.abort(redis.TimeoutError(f"no reply within {seconds} s"))

@@ -18,7 +18,7 @@ import redis.cluster
 
 from ..._errors import RequestRejected, StorageError
 from ..._scripts import Script
-from ..base import SENT
+from ..base import ROUND_TRIP
 from ._blocking import BlockingTransport, can_keep
 from ._command import run_command_path
 from ._compat import check_versions
@@ -122,7 +122,7 @@ class RedisStorage:
         else:
             exchange = Exchange(script, keys, args)
             run_command_path(self.client, exchange)
-            SENT.set(exchange.sent)  # for the limiter: the last round trip, not the set-up
+            ROUND_TRIP.set(exchange)  # for the limiter: the last round trip, not the set-up
             reply = exchange.outcome()
         if not self._checked_eviction:
             self._check_eviction()

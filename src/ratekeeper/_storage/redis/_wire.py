@@ -7,7 +7,7 @@ once here:
 - ``pack_round``: the commands of a round in one buffer, packed by hiredis, and which calls
   each reply answers (a SCRIPT LOAD goes once for every call of its script that needs it);
 - ``new_reader`` and ``read_reply``: where ratekeeper reads replies itself (a link's
-  ``data_received``, the blocking transport's read straight from the socket) it reads them
+  reads, the blocking transport's read straight from the socket) it reads them
   with a hiredis reader made as redis-py makes its own: error replies as the exception objects
   redis-py's parser builds, a reply that is not RESP as its ``InvalidResponse``;
 - ``IdleCheck``: whether the server closed a connection while it was idle (a restart, an idle
