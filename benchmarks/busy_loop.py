@@ -25,7 +25,6 @@ import argparse
 import asyncio
 import json
 import sys
-import threading
 import time
 from collections import Counter
 from typing import Any

@@ -364,7 +364,7 @@ def test_request_from_scope():
 # --- lifespan ------------------------------------------------------------------------------------
 
 
-def test_lifespan_passes_through_untouched():
+def test_lifespan_passes_through_and_the_limiter_connects_at_startup():
     seen: dict[str, Any] = {}
 
     async def lifespan_app(scope: Any, receive: Any, send: Any) -> None:
@@ -372,14 +372,23 @@ def test_lifespan_passes_through_untouched():
         while True:
             message = await receive()
             if message["type"] == "lifespan.startup":
-                seen["started"] = True
+                seen["started"] = list(connected)
                 await send({"type": "lifespan.startup.complete"})
             elif message["type"] == "lifespan.shutdown":
                 await send({"type": "lifespan.shutdown.complete"})
                 return
 
+    connected: list[bool] = []
+
     async def main() -> list[dict[str, Any]]:
         async with AsyncLimiter.from_url("memory://") as limiter:
+            connect = limiter.connect
+
+            async def recording() -> bool:
+                connected.append(await connect())
+                return connected[-1]
+
+            limiter.connect = recording  # type: ignore[method-assign]
             app = RateLimitMiddleware(lifespan_app, limiter=limiter, policy=Policy("l", "1/hour"))
             incoming = [{"type": "lifespan.startup"}, {"type": "lifespan.shutdown"}]
             sent: list[dict[str, Any]] = []
@@ -393,7 +402,6 @@ def test_lifespan_passes_through_untouched():
             scope = {"type": "lifespan", "asgi": {"version": "3.0"}, "state": {}}
             await app(scope, receive, send)
             assert seen["scope"] is scope
-            assert seen["receive"] is receive
             assert seen["send"] is send
             # Nothing was spent: the one request an hour is still there.
             probe = await limiter.peek(Policy("l", "1/hour"), "ip:203.0.113.7")
@@ -402,7 +410,9 @@ def test_lifespan_passes_through_untouched():
 
     sent = asyncio.run(main())
     assert sent == [{"type": "lifespan.startup.complete"}, {"type": "lifespan.shutdown.complete"}]
-    assert seen["started"]
+    # The limiter connected to the store at startup, before the app heard of it, and only then.
+    assert seen["started"] == [True]
+    assert connected == [True]
 
 
 def test_a_starlette_lifespan_runs_behind_the_middleware():

@@ -136,7 +136,8 @@ def test_a_wrong_password_raises_whatever_the_failure_mode(
     server: RedisServer, acl_user: tuple[str, str], key_prefix: str, batching: bool
 ) -> None:
     """A handshake the store refuses is the configuration's error, not an outage: it raises
-    RequestRejected (as the blocking Limiter does), never fails open."""
+    RequestRejected (as the blocking Limiter does), never fails open: at ``async with``'s
+    entry (which connects), and from a hit of a limiter that was not entered."""
     user, _ = acl_user
     url = f"redis://{user}:wrong@127.0.0.1:{server.port}/0"
     policy = Policy("acl", "5/minute")
@@ -144,12 +145,20 @@ def test_a_wrong_password_raises_whatever_the_failure_mode(
     async def main() -> list[BaseException]:
         caught = []
         for mode in ("raise", "open"):
-            async with AsyncLimiter.from_url(
-                url, key_prefix=key_prefix, batching=batching, **{**PATIENT, "failure_mode": mode}
-            ) as limiter:
-                with pytest.raises(RequestRejected) as raised:
-                    await limiter.hit(policy, "a")
-                caught.append(raised.value)
+            options: dict[str, Any] = {**PATIENT, "failure_mode": mode}
+            with pytest.raises(RequestRejected) as raised:
+                async with AsyncLimiter.from_url(
+                    url, key_prefix=key_prefix, batching=batching, **options
+                ):
+                    pass
+            caught.append(raised.value)
+            limiter = AsyncLimiter.from_url(
+                url, key_prefix=key_prefix, batching=batching, **options
+            )
+            with pytest.raises(RequestRejected) as raised:
+                await limiter.hit(policy, "a")
+            await limiter.close()
+            caught.append(raised.value)
         return caught
 
     for exc in asyncio.run(main()):

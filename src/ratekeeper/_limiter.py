@@ -446,7 +446,28 @@ class AsyncLimiter(LimiterBase[AsyncStorage]):
         finally:
             await self.storage.close()
 
+    async def connect(self) -> bool:
+        """Open the store's connection now (and check the server, as the first call would), so
+        that the first decisions after start do not wait for it: ``async with`` does it on
+        entry, the ASGI middleware at the lifespan's startup. Whether the store answered; one
+        that cannot be reached now is not an error here (the first decisions meet it, and the
+        failure mode decides). A handshake the store refuses (a wrong password, a database out
+        of range) raises RequestRejected, as the first decision would."""
+        connect = getattr(self.storage, "connect", None)
+        if connect is None:  # memory://, or a storage of the user's without one
+            return True
+        try:
+            await connect()
+        except StorageError:
+            return False
+        return True
+
     async def __aenter__(self) -> AsyncLimiter:
+        try:
+            await self.connect()
+        except BaseException:
+            await self.close()
+            raise
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:

@@ -141,6 +141,8 @@ class RateLimitMiddleware(Middleware[ASGIApp, AsyncLimiter]):
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         kind = scope["type"]
         if kind not in ("http", "websocket") or not self.limiting.enabled:
+            if kind == "lifespan" and self.limiting.enabled:
+                receive = self._connecting(receive)
             await self.app(scope, receive, send)
             return
         request = request_from_scope(scope)
@@ -164,6 +166,19 @@ class RateLimitMiddleware(Middleware[ASGIApp, AsyncLimiter]):
             await self.app(scope, receive, send)
         else:
             await self.app(scope, receive, self._with_headers(send, admission, state))
+
+    def _connecting(self, receive: Receive) -> Receive:
+        """``receive`` of a lifespan: the limiter connects to the store at startup, before the
+        app hears of it, so that a worker's first burst of requests does not open it."""
+        limiter = self.limiter
+
+        async def wrapped() -> Message:
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                await limiter.connect()
+            return message
+
+        return wrapped
 
     def _with_headers(self, send: Send, admission: Admission, state: dict[str, Any]) -> Send:
         """``send``, adding the admission's headers to the response start."""

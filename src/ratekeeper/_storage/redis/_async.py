@@ -317,6 +317,22 @@ class AsyncRedisStorage:
         finally:
             self._kept.append(connection)
 
+    async def connect(self) -> None:
+        """What the first call would do before its script runs, ahead of it: learn the cluster,
+        open a connection (one server), check the eviction policy. StorageError if the store
+        cannot be reached."""
+        try:
+            if not self._ready:
+                await self._discover_raw()
+            if self._links is not None:
+                self._links.give(self._links.take() or await self._links.connect())
+            elif not self._cluster:
+                await self.client.ping()
+        except CLIENT_ERRORS as exc:
+            raise translate(exc) from exc
+        if not self._checked_eviction:
+            await self._check_eviction()
+
     async def delete(self, keys: tuple[str, ...]) -> int:
         if not self._ready:
             await self._discover()
