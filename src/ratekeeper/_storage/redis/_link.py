@@ -51,6 +51,9 @@ _READ = 262_144
 _SO_TIMESTAMPNS = getattr(socket, "SO_TIMESTAMPNS", 35 if sys.platform == "linux" else None)
 _ANCILLARY = socket.CMSG_SPACE(16)
 _TIMESPEC = {16: struct.Struct("@qq"), 8: struct.Struct("@ii")}
+_NEVER = float("inf")
+#: A read this soon after its round was written needs no stamp: the reply arrived within it.
+PROMPT = 0.001
 
 
 def stamps_on(sock: socket.socket) -> bool:
@@ -64,11 +67,10 @@ def stamps_on(sock: socket.socket) -> bool:
     return True
 
 
-def _arrived(ancillary: list[tuple[int, int, bytes]]) -> float:
-    """When the newest segment of a read reached the socket, on ``time.perf_counter``'s clock
-    (when it was read, if the kernel gave no stamp). Only the time it waited unread is taken
-    from the wall clock, so a step of the wall clock moves nothing else."""
-    now = time.perf_counter()
+def _arrived(ancillary: list[tuple[int, int, bytes]], now: float) -> float:
+    """When the newest segment of a read made at ``now`` reached the socket, on
+    ``time.perf_counter``'s clock (``now``, if the kernel gave no stamp). Only the time it waited
+    unread is taken from the wall clock, so a step of the wall clock moves nothing else."""
     for level, kind, data in ancillary:
         if level == socket.SOL_SOCKET and kind == _SO_TIMESTAMPNS:
             layout = _TIMESPEC.get(len(data))
@@ -84,9 +86,12 @@ class Round:
     (the calls each reply answers), each reply is handed to its calls as it arrives: a call
     whose exchange it ends is settled there and then; the others wait in ``again`` for the
     next round. ``deadline``: the ``perf_counter`` time by which a reply must have arrived
-    (judged by its stamp); a later one ends its calls with ``late``."""
+    (judged by its stamp); a later one ends its calls with ``late``. ``prompt``: until then,
+    a read needs no stamp (``PROMPT`` after the write)."""
 
-    __slots__ = ("again", "count", "deadline", "future", "late", "pool", "replies", "slots")
+    __slots__ = (
+        "again", "count", "deadline", "future", "late", "pool", "prompt", "replies", "slots"
+    )  # fmt: skip
 
     def __init__(
         self,
@@ -94,6 +99,7 @@ class Round:
         future: asyncio.Future[None],
         slots: list[list[Pending]] | None,
         pool: Links | None,
+        sent: float,
         deadline: float,
     ) -> None:
         self.count = count
@@ -102,6 +108,7 @@ class Round:
         #: Where the link goes back once the round ends with every call settled: at once, so
         #: that the callers it wakes find it idle.
         self.pool = pool
+        self.prompt = sent + PROMPT
         self.deadline = deadline
         self.late: Exception | None = None
         self.replies: list[Any] = []
@@ -142,14 +149,16 @@ class Link:
 
     def _readable(self) -> bool:
         """The loop saw the socket readable (or ``drain`` asks): read what is there. Whether
-        anything was."""
+        anything was. The kernel's stamp is asked for only when the read is not prompt (the
+        loop was busy): a prompt one's replies arrived within ``PROMPT`` of their write."""
+        arrived = time.perf_counter()
+        rounds = self.rounds
         try:
-            if self.stamped:
+            if self.stamped and rounds and arrived > rounds[0].prompt:
                 data, ancillary, _, _ = self.sock.recvmsg(_READ, _ANCILLARY)
-                arrived = _arrived(ancillary)
+                arrived = _arrived(ancillary, arrived)
             else:
                 data = self.sock.recv(_READ)
-                arrived = time.perf_counter()
         except (BlockingIOError, InterruptedError):
             return False
         except OSError as exc:
@@ -293,12 +302,15 @@ class Link:
         count: int,
         slots: list[list[Pending]] | None = None,
         pool: Links | None = None,
-        deadline: float = float("inf"),
+        sent: float = 0.0,
+        timeout: float | None = None,
     ) -> Round:
-        """Write ``packed`` (``count`` commands) and return the round their replies go to
-        (and, with ``slots``, the calls each answers; with ``pool``, where the link goes back
-        once they are all settled; ``deadline``, by when their replies must arrive)."""
-        current = Round(count, self.loop.create_future(), slots, pool, deadline)
+        """Write ``packed`` (``count`` commands) at ``sent`` (``time.perf_counter()``) and
+        return the round their replies go to (and, with ``slots``, the calls each answers;
+        with ``pool``, where the link goes back once they are all settled; ``timeout``: their
+        replies must arrive within it)."""
+        deadline = _NEVER if timeout is None else sent + timeout
+        current = Round(count, self.loop.create_future(), slots, pool, sent, deadline)
         self.rounds.append(current)
         if self._tls is not None:
             self._tls.write(packed)

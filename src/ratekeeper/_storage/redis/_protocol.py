@@ -254,11 +254,10 @@ class Links:
         """Write one round and wait for all its replies; redis-py's errors if the link breaks
         or does not answer in time (then it is closed: a late reply must not be read as
         another's)."""
+        current = link.send(packed, count, None, None, time.perf_counter(), self.timeout)
         if self.timeout is None:
-            current = link.send(packed, count)
             await current.future
             return current.replies
-        current = link.send(packed, count, deadline=time.perf_counter() + self.timeout)
         timer = link.loop.call_later(self.timeout, _expire, link, current, self.timeout)
         try:
             await current.future
@@ -326,12 +325,12 @@ class Links:
             call.exchange.sent = sent
         slots, packed = pack_round(calls, [call.exchange for call in calls])
         timeout = self.timeout
-        if timeout is None:
-            current = link.send(packed, len(slots), slots, self)
-            timer = None
-        else:
-            current = link.send(packed, len(slots), slots, self, sent + timeout)
-            timer = link.loop.call_later(timeout, _expire, link, current, timeout)
+        current = link.send(packed, len(slots), slots, self, sent, timeout)
+        timer = (
+            None
+            if timeout is None
+            else link.loop.call_later(timeout, _expire, link, current, timeout)
+        )
         error: Any = None
         try:
             await current.future
