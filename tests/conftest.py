@@ -337,7 +337,7 @@ def flavor_cluster(request: pytest.FixtureRequest, cluster_pool: ClusterPool) ->
 
 @pytest.fixture(scope="session")
 def sentinel_group() -> Iterator[Any]:
-    """1 primary, 1 replica and 3 sentinels monitoring ``mymaster``, of the first flavor."""
+    """1 primary, 2 replicas and 3 sentinels monitoring ``mymaster``, of the first flavor."""
     from .topologies import SentinelGroup
 
     _need_a_server()

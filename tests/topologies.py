@@ -10,8 +10,10 @@ SETSLOT`` + ``MIGRATE``, as ``--cluster reshard`` does), and :meth:`Cluster.rest
 back to its original layout (shard ``i`` = primary ``nodes[i]`` with replica ``nodes[i + 3]``,
 owning slot range ``i``), so a test that breaks it can repair it for the next.
 
-``SentinelGroup``: one primary, one replica and three sentinels monitoring ``mymaster``
-(quorum 2, down-after 1000 ms, failover-timeout 5000 ms).
+``SentinelGroup``: one primary, two replicas and three sentinels monitoring ``mymaster``
+(quorum 2, down-after 1000 ms, failover-timeout 5000 ms). Two replicas, because the leader of a
+failover names the promoted replica seconds before it announces the switch only when there is
+another replica to move over to it.
 
 Also here, for the tests that drive limiters against them: ``Driver`` (one blocking face for
 ``Limiter`` and ``AsyncLimiter``, leases included), ``HitLoad`` (threads hitting until stopped,
@@ -498,11 +500,12 @@ class SentinelServer:
 
 
 class SentinelGroup:
-    """A primary, a replica and three sentinels monitoring them as ``service``."""
+    """A primary, ``replicas`` replicas and three sentinels monitoring them as ``service``."""
 
-    def __init__(self, binary: ServerBinary, service: str = "mymaster") -> None:
+    def __init__(self, binary: ServerBinary, service: str = "mymaster", replicas: int = 2) -> None:
         self.binary = binary
         self.service = service
+        self.replicas = replicas
         self.servers: list[RedisServer] = []
         self.sentinels: list[SentinelServer] = []
 
@@ -511,13 +514,14 @@ class SentinelGroup:
             primary = RedisServer(self.binary, "--repl-diskless-sync-delay", "0")
             self.servers.append(primary)
             primary.start()
-            replica = RedisServer(
-                self.binary,
-                *("--repl-diskless-sync-delay", "0"),
-                *("--replicaof", HOST, str(primary.port)),
-            )
-            self.servers.append(replica)
-            replica.start()
+            for _ in range(self.replicas):
+                replica = RedisServer(
+                    self.binary,
+                    *("--repl-diskless-sync-delay", "0"),
+                    *("--replicaof", HOST, str(primary.port)),
+                )
+                self.servers.append(replica)
+                replica.start()
             for _ in range(3):
                 sentinel = SentinelServer(self.binary, self.service, primary.port)
                 self.sentinels.append(sentinel)
@@ -552,8 +556,8 @@ class SentinelGroup:
         return primary
 
     def health(self) -> str | None:
-        """None when healthy: exactly one primary, its replica linked and synced, and every
-        sentinel naming that primary, seeing the replica and the two other sentinels."""
+        """None when healthy: exactly one primary, its replicas linked and synced, and every
+        sentinel naming that primary, seeing the replicas and the two other sentinels."""
         roles = {s.port: self.role(s) for s in self.servers}
         primaries = [port for port, role in roles.items() if role == "master"]
         if len(primaries) != 1:
@@ -576,10 +580,11 @@ class SentinelGroup:
                 replicas = client.sentinel_slaves(self.service)
             if int(state["port"]) != primary:
                 return f"sentinel {sentinel.port} names {state['port']}"
+            # redis-py parses no is_failover_in_progress: the flag is read from the flags.
             if (
                 state.get("is_sdown")
                 or state.get("is_odown")
-                or state.get("is_failover_in_progress")
+                or "failover_in_progress" in state.get("flags", "")
             ):
                 return f"sentinel {sentinel.port}: {state.get('flags')}"
             if int(state["num-other-sentinels"]) != len(self.sentinels) - 1:
