@@ -5,14 +5,16 @@ in the next one, on one connection (in a cluster, one per node; calls it cannot 
 are redirected go through redis-py's cluster client, ``_command``). ``batching=False`` sends
 each call on its own. Every script call is an ``Exchange``, whichever way it goes.
 
-Which connections carry them: to one server opened from a URL, ratekeeper's own (``_protocol``:
-non-blocking sockets read by hiredis, replies stamped on arrival), configured as redis-py would
-configure its own; where those cannot serve (a connection option only redis-py honours,
-Sentinel, a user's own client), redis-py's connections through ``_pipeline``; a cluster,
-``_pipeline`` per node and ``_command``.
+Which connections carry them: to one server opened from a URL, and to each node of a cluster
+opened from one, ratekeeper's own (``_protocol``: non-blocking sockets read by hiredis, replies
+stamped on arrival), configured as redis-py would configure its own; where those cannot serve
+(a connection option only redis-py honours, Sentinel, a user's own client), redis-py's
+connections through ``_pipeline``; calls a cluster batch cannot place, or that are redirected,
+through ``_command``.
 
 redis-py internals: ``client.connection_pool`` (``release``; check-out through ``_compat``);
-cluster clients' ``_initialize``, ``initialize()``, ``get_node_from_key``,
+cluster clients' ``_initialize``, ``initialize()``, ``get_node_from_key``, a node's
+``name``, ``connection_class``, ``connection_kwargs`` and ``max_connections`` (its links),
 ``nodes_manager.nodes_cache``, ``nodes_manager.slots_cache``, ``nodes_manager.initialize()``,
 ``ClusterNode.acquire_connection`` (release through ``_compat``);
 asyncio connections' ``send_command``/``read_response`` for the one ``INFO``.
@@ -79,6 +81,8 @@ class AsyncRedisStorage:
         self._map_stale = False
         self._map_refreshed = -float("inf")
         self._watch = master_watch(client)
+        #: A cluster's nodes' links, by ``host:port`` (None: redis-py's connections serve it).
+        self._node_links: dict[str, Links | None] = {}
         #: Which server serves a key, where there are several to tell apart (a cluster's
         #: primaries, the primary Sentinel names): one breaker each. None on one server.
         self.node_of = self._node_of if self._cluster or self._watch is not None else None
@@ -242,8 +246,19 @@ class AsyncRedisStorage:
 
     async def _send_group(self, node: Any, calls: list[Pending]) -> None:
         """One node's calls of a batch; their callers are answered as soon as that node is
-        done, not when the slowest node of the batch is."""
-        await self._send_node(node, [call.exchange for call in calls])
+        done, not when the slowest node of the batch is. On ratekeeper's own links to the node
+        where they can serve (``_node_links``), else on redis-py's connection to it."""
+        try:
+            links = self._node_links[node.name]
+        except KeyError:
+            links = Links.for_node(node) if self._owns_client else None
+            self._node_links[node.name] = links
+        if links is None:
+            await self._send_node(node, [call.exchange for call in calls])
+        else:
+            rerouted: list[Pending] = []
+            await links.run(calls, rerouted, self._node_unreachable)
+            await asyncio.gather(*(arun_command_path(self.client, c.exchange) for c in rerouted))
         for call in calls:
             call.settle()
 
@@ -346,6 +361,9 @@ class AsyncRedisStorage:
             await asyncio.get_running_loop().run_in_executor(None, self._watch.close)
         if self._links is not None:
             await self._links.close()
+        for links in self._node_links.values():
+            if links is not None:
+                await links.close()
         await self._give_back()
         if self._owns_client:
             await self.client.aclose()

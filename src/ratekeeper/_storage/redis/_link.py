@@ -36,6 +36,7 @@ import redis
 from redis.exceptions import InvalidResponse
 
 from ._batch import Pending
+from ._errors import REROUTE
 from ._exchange import DONE
 from ._wire import INCOMPLETE, IdleCheck, new_reader
 
@@ -90,7 +91,8 @@ class Round:
     a read needs no stamp (``PROMPT`` after the write)."""
 
     __slots__ = (
-        "again", "count", "deadline", "future", "late", "pool", "prompt", "replies", "slots"
+        "again", "count", "deadline", "future", "late", "pool", "prompt", "replies", "reroute",
+        "slots",
     )  # fmt: skip
 
     def __init__(
@@ -101,8 +103,11 @@ class Round:
         pool: Links | None,
         sent: float,
         deadline: float,
+        reroute: list[Pending] | None = None,
     ) -> None:
         self.count = count
+        #: A cluster node's round: where calls redirected elsewhere (ASK, TRYAGAIN) go.
+        self.reroute = reroute
         self.future = future
         self.slots = slots
         #: Where the link goes back once the round ends with every call settled: at once, so
@@ -259,6 +264,8 @@ class Link:
                             call.exchange.answered = arrived
                             call.exchange.timed_out(current.late)
                             call.settle()
+                    elif current.reroute is not None and isinstance(reply, REROUTE):
+                        current.reroute.extend(slots[len(replies)])
                     else:
                         for call in slots[len(replies)]:
                             exchange = call.exchange
@@ -304,13 +311,15 @@ class Link:
         pool: Links | None = None,
         sent: float = 0.0,
         timeout: float | None = None,
+        reroute: list[Pending] | None = None,
     ) -> Round:
         """Write ``packed`` (``count`` commands) at ``sent`` (``time.perf_counter()``) and
         return the round their replies go to (and, with ``slots``, the calls each answers;
         with ``pool``, where the link goes back once they are all settled; ``timeout``: their
-        replies must arrive within it)."""
+        replies must arrive within it; ``reroute``: a cluster node's, where redirected calls
+        go)."""
         deadline = _NEVER if timeout is None else sent + timeout
-        current = Round(count, self.loop.create_future(), slots, pool, sent, deadline)
+        current = Round(count, self.loop.create_future(), slots, pool, sent, deadline, reroute)
         self.rounds.append(current)
         if self._tls is not None:
             self._tls.write(packed)

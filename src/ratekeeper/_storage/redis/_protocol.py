@@ -47,6 +47,7 @@ from __future__ import annotations
 import asyncio
 import ssl
 import time
+from collections.abc import Callable
 from typing import Any
 
 import redis
@@ -104,8 +105,14 @@ _HONOURED = frozenset(
         "maint_notifications_pool_handler",
         # redis-py 8: state for the client's own HIMPORT commands; a link sends scripts only.
         "himport_registry",
+        # A cluster client's nodes: the client library's name, for CLIENT SETINFO (as
+        # lib_name and lib_version, not sent by a link).
+        "driver_info",
     }
 )
+#: Options that change nothing while unset (None or False), and keep redis-py's connections
+#: when set.
+_UNSET_ONLY = frozenset({"credential_provider", "socket_keepalive", "socket_keepalive_options"})
 
 
 class Links:
@@ -140,13 +147,22 @@ class Links:
         if (
             type(client) is not redis.asyncio.Redis
             or type(pool) is not redis.asyncio.ConnectionPool
+            or own_retry
         ):
             return None
-        kind = pool.connection_class
-        kwargs: dict[str, Any] = dict(pool.connection_kwargs)
+        return cls._made_as(pool.connection_class, pool.connection_kwargs, pool.max_connections)
+
+    @classmethod
+    def for_node(cls, node: Any) -> Links | None:
+        """Links made as a cluster client's ``node`` (a ``ClusterNode``) would make its
+        connections, or None (as ``serving``)."""
+        return cls._made_as(node.connection_class, node.connection_kwargs, node.max_connections)
+
+    @classmethod
+    def _made_as(cls, kind: Any, options: dict[str, Any], max_connections: int) -> Links | None:
+        kwargs = {k: v for k, v in options.items() if k not in _UNSET_ONLY or v}
         if (
             kind not in (_PLAIN, _UNIX, _TLS)
-            or own_retry
             or set(kwargs) - _HONOURED
             or kwargs.get("protocol") not in (None, 2, "2")
             or kwargs.get("health_check_interval", 0)
@@ -170,7 +186,7 @@ class Links:
             }
             if kind is _TLS:
                 ssl = kind(**kwargs).ssl_context.get()  # redis-py's context for these options
-        max_links = pool.max_connections if pool.max_connections < 2**31 else None
+        max_links = max_connections if max_connections < 2**31 else None
         return cls(
             address=address,
             handshake=tuple(handshake),
@@ -287,10 +303,17 @@ class Links:
 
     # --- driving exchanges -----------------------------------------------------------------
 
-    async def run(self, calls: list[Pending]) -> None:
+    async def run(
+        self,
+        calls: list[Pending],
+        rerouted: list[Pending] | None = None,
+        unreachable: Callable[[], None] | None = None,
+    ) -> None:
         """Drive the calls' exchanges to their end on one link of this pool, settling each
         call as its exchange ends (see the module's comment for what happens when the link
-        breaks or the store does not answer)."""
+        breaks or the store does not answer). A cluster node's: calls redirected (ASK,
+        TRYAGAIN) go to ``rerouted``, for redis-py's cluster client to send (``_command``);
+        ``unreachable`` is called when no connection could be made (not in time, or at all)."""
         link = self.take()
         try:
             while calls:
@@ -305,10 +328,12 @@ class Links:
                     try:
                         link = await self.connect()
                     except CLIENT_ERRORS as exc:
+                        if unreachable is not None and not isinstance(exc, redis.TimeoutError):
+                            unreachable()  # refused or reset: gone, not slow
                         for call in calls:
                             call.exchange.unsent(exc, broke=False)
                         return
-                calls = await self._round(link, calls)
+                calls = await self._round(link, calls, rerouted)
                 if link.lost is not None or not calls:
                     # Broke during the round (the rest go on a new one), or back in the pool.
                     link = None
@@ -318,14 +343,16 @@ class Links:
             raise
         self.give(link)
 
-    async def _round(self, link: Link, calls: list[Pending]) -> list[Pending]:
+    async def _round(
+        self, link: Link, calls: list[Pending], rerouted: list[Pending] | None = None
+    ) -> list[Pending]:
         """One round trip; returns the calls that go on to the next."""
         sent = time.perf_counter()  # this round trip, not the link's set-up, is the store's
         for call in calls:
             call.exchange.sent = sent
         slots, packed = pack_round(calls, [call.exchange for call in calls])
         timeout = self.timeout
-        current = link.send(packed, len(slots), slots, self, sent, timeout)
+        current = link.send(packed, len(slots), slots, self, sent, timeout, rerouted)
         timer = (
             None
             if timeout is None
