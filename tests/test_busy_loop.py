@@ -157,3 +157,35 @@ def test_a_connection_made_while_the_loop_is_busy_is_made(
     decisions = asyncio.run(main())
     assert [d.reason for d in decisions if d.degraded] == []
     assert [d.remaining for d in decisions] == [99] * 32
+
+
+def test_a_cluster_s_replies_that_wait_for_a_busy_loop_are_replies(
+    cluster: Any, key_prefix: str
+) -> None:
+    """The same on a cluster opened from a URL: each node's batch on links of its own, 64
+    hits spread over the three primaries, the loop blocked once they are written: all decided
+    by the store, every node's breaker closed."""
+    policy = Policy("busy", "100/minute")
+    metrics = Recorder()
+
+    async def block_once_written(limiter: AsyncLimiter) -> None:
+        nodes = limiter.storage._node_links  # type: ignore[attr-defined]
+        while not any(
+            links and any(link.rounds for link in links.every) for links in nodes.values()
+        ):
+            await asyncio.sleep(0)
+        _block(BLOCK)
+
+    async def main() -> tuple[list[Decision], list[str]]:
+        async with _limiter(cluster.url, key_prefix, metrics) as limiter:
+            await asyncio.gather(*(limiter.hit(policy, f"warm-{i}") for i in range(64)))
+            hits = asyncio.gather(*(limiter.hit(policy, f"u{i}") for i in range(64)))
+            await block_once_written(limiter)
+            states = [str(b.state) for b in limiter.breakers.values()]
+            return await hits, states
+
+    decisions, states = asyncio.run(main())
+    assert [d.reason for d in decisions if d.degraded] == []
+    assert [d.remaining for d in decisions] == [99] * 64
+    assert len(states) == 3  # a breaker for each primary: the hits reached all three
+    assert set(states) == {"closed"}
