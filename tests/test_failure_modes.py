@@ -671,10 +671,12 @@ def test_the_local_mode_grows_by_less_than_20_mb_under_500k_rotated_identities(d
 
 def test_a_locally_answered_async_hit_lets_other_tasks_run(dead_url: str, key_prefix: str):
     """``await hit()`` answered without the store (a cached denial, an open breaker) still
-    yields to the event loop: a loop of such hits cannot starve the other tasks."""
+    yields to the event loop: a loop of such hits cannot starve the other tasks. So does one
+    that raises without the store (an open breaker, ``failure_mode="raise"``): a caller that
+    retries at once used to hold the loop until the breaker let it probe."""
     policy = Policy("yields", "1/hour")
 
-    async def main() -> tuple[int, int]:
+    async def main() -> tuple[int, int, int]:
         ticks = 0
         stop = asyncio.Event()
 
@@ -687,12 +689,16 @@ def test_a_locally_answered_async_hit_lets_other_tasks_run(dead_url: str, key_pr
         async with (
             AsyncLimiter.from_url("memory://", key_prefix=key_prefix) as cached,
             AsyncLimiter.from_url(dead_url, key_prefix=key_prefix) as broken,
+            AsyncLimiter.from_url(dead_url, key_prefix=key_prefix, failure_mode="raise") as raising,
         ):
             assert (await cached.hit(policy, "a")).allowed
             assert (await cached.hit(policy, "a")).reason is None
             for _ in range(10):  # opens the breaker of the dead store
                 await broken.hit(policy, "a")
+                with pytest.raises(StorageError):
+                    await raising.hit(policy, "a")
             assert broken.breaker.state is BreakerState.OPEN
+            assert raising.breaker.state is BreakerState.OPEN
             task = asyncio.create_task(ticker())
             await asyncio.sleep(0)
             start = ticks
@@ -703,10 +709,16 @@ def test_a_locally_answered_async_hit_lets_other_tasks_run(dead_url: str, key_pr
             for _ in range(500):
                 assert (await broken.hit(policy, "a")).reason == "breaker_open/open"
             during_open = ticks - start
+            start = ticks
+            for _ in range(500):
+                with pytest.raises(StorageUnavailable, match="circuit breaker is open"):
+                    await raising.hit(policy, "a")
+            during_raised = ticks - start
             stop.set()
             await task
-        return during_cached, during_open
+        return during_cached, during_open, during_raised
 
-    during_cached, during_open = asyncio.run(main())
+    during_cached, during_open, during_raised = asyncio.run(main())
     assert during_cached >= 499
     assert during_open >= 499
+    assert during_raised >= 499

@@ -319,7 +319,8 @@ class AsyncLimiter(LimiterBase[AsyncStorage]):
     async def _drive(self, steps: Decision | Steps) -> Any:
         """Run ``steps`` on the storage; their result. One answered without the store still
         lets other tasks run first, as I/O would: a flood of cached denials cannot hold the
-        loop."""
+        loop, nor can a caller that retries at once an error raised without the store (an
+        open breaker under ``failure_mode="raise"``)."""
         if isinstance(steps, Decision):
             await asyncio.sleep(0)
             return steps
@@ -328,6 +329,9 @@ class AsyncLimiter(LimiterBase[AsyncStorage]):
         except StopIteration as done:
             await asyncio.sleep(0)
             return done.value
+        except _STORE_FAULTS:
+            await asyncio.sleep(0)
+            raise
         run = self.storage.run
         try:
             while True:
