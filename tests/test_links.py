@@ -82,8 +82,10 @@ def test_links_serve_what_redis_py_would_connect_the_same_way() -> None:
     assert not served("redis://127.0.0.1:1", redis_options={"health_check_interval": 5})
     retry = redis.asyncio.retry.Retry(redis.backoff.NoBackoff(), 3)
     assert not served("redis://127.0.0.1:1", redis_options={"retry": retry})
+    # A cluster's nodes get links of their own, each made on its first batch (not these).
     assert not served("redis+cluster://127.0.0.1:1,127.0.0.1:2")
-    assert not served("redis+sentinel://127.0.0.1:1/mymaster")
+    # Sentinel: links to the primary the sentinels name (``Links.follow``).
+    assert served("redis+sentinel://127.0.0.1:1/mymaster")
     client = redis.asyncio.Redis(host="127.0.0.1", port=1)
     assert _links(AsyncLimiter.from_client(client)) is None
 

@@ -81,6 +81,8 @@ class AsyncRedisStorage:
         self._map_stale = False
         self._map_refreshed = -float("inf")
         self._watch = master_watch(client)
+        #: The primary the links were last pointed at (Sentinel).
+        self._followed: str | None = None
         #: A cluster's nodes' links, by ``host:port`` (None: redis-py's connections serve it).
         self._node_links: dict[str, Links | None] = {}
         #: Which server serves a key, where there are several to tell apart (a cluster's
@@ -106,9 +108,11 @@ class AsyncRedisStorage:
         built = plan(url, options)
         client, also_close = async_client(built)
         links = None
+        own_retry = "retry" in built.kwargs
         if built.kind == "single":
-            own_retry = "retry" in built.kwargs
             links = Links.serving(client, own_retry=own_retry)
+        elif built.kind == "sentinel":
+            links = Links.for_sentinel(client.connection_pool, own_retry=own_retry)
         storage = cls(client, also_close=also_close, batching=batching, links=links)
         if storage._watch is not None:
             storage._watch.listen(built.hosts, built.sentinel_kwargs)
@@ -142,8 +146,8 @@ class AsyncRedisStorage:
     ) -> list[int]:
         if not self._ready:
             await self._discover()
-        if self._watch is not None and self._watch.due():
-            await self._watch.acheck()
+        if self._watch is not None:
+            await self._follow_primary(self._watch)
         if self._batcher is not None:
             pending = self._batcher.enqueue(script, keys, args)
             assert pending.future is not None
@@ -165,6 +169,17 @@ class AsyncRedisStorage:
         if not self._checked_eviction:
             await self._check_eviction()
         return reply
+
+    async def _follow_primary(self, watch: Any) -> None:
+        """Ask the sentinels which server is the primary when it is due (``_sentinel``), and
+        point the links at it when it changed."""
+        if watch.due():
+            await watch.acheck()
+        address = watch.address
+        if self._links is not None and address is not None and address != self._followed:
+            self._followed = address
+            host, _, port = address.rpartition(":")
+            self._links.follow(host, int(port))
 
     # --- one server ------------------------------------------------------------------------
 
@@ -339,6 +354,8 @@ class AsyncRedisStorage:
         try:
             if not self._ready:
                 await self._discover_raw()
+            if self._watch is not None:
+                await self._follow_primary(self._watch)
             if self._links is not None:
                 self._links.give(self._links.take() or await self._links.connect())
             elif not self._cluster:

@@ -137,6 +137,8 @@ class Links:
         self.idle: list[Link] = []
         self.every: set[Link] = set()  # links made and not lost: idle or in use
         self.loop: asyncio.AbstractEventLoop | None = None
+        #: Links made before the address last changed (``follow``) are not reused.
+        self._made_for: dict[Link, dict[str, Any]] = {}
 
     @classmethod
     def serving(cls, client: Any, *, own_retry: bool) -> Links | None:
@@ -151,6 +153,27 @@ class Links:
         ):
             return None
         return cls._made_as(pool.connection_class, pool.connection_kwargs, pool.max_connections)
+
+    @classmethod
+    def for_sentinel(cls, pool: Any, *, own_retry: bool) -> Links | None:
+        """Links to the primary a Sentinel-managed ``pool`` serves, made as its connections
+        would be, or None (as ``serving``). Their address is the one the sentinels name, which
+        the storage's watch tells them (``follow``)."""
+        if own_retry:
+            return None
+        kind = _TLS if issubclass(pool.connection_class, _TLS) else _PLAIN
+        kwargs = {k: v for k, v in pool.connection_kwargs.items() if k != "connection_pool"}
+        return cls._made_as(kind, {**kwargs, "host": "", "port": 0}, pool.max_connections)
+
+    def follow(self, host: str, port: int) -> None:
+        """The server moved (a Sentinel failover): links are made to ``host:port`` from now on,
+        and those to the old address are closed once idle, never reused."""
+        if self.address.get("host") == host and self.address.get("port") == port:
+            return
+        self.address = {"host": host, "port": port}
+        idle, self.idle = self.idle, []
+        for link in idle:
+            link.abort(redis.ConnectionError("the server it was made to is no longer the primary"))
 
     @classmethod
     def for_node(cls, node: Any) -> Links | None:
@@ -208,6 +231,7 @@ class Links:
             self.loop = loop
             self.idle = []
             self.every = set()
+            self._made_for = {}
         idle = self.idle
         while idle:
             link = idle.pop()
@@ -219,7 +243,12 @@ class Links:
         """Keep ``link`` for the next caller (if it is fine and still of this loop)."""
         if link is None:
             return
-        if link.lost is None and not link.rounds and link.loop is self.loop:
+        if (
+            link.lost is None
+            and not link.rounds
+            and link.loop is self.loop
+            and self._made_for.get(link) is self.address
+        ):
             self.idle.append(link)
         elif link.lost is None:
             link.abort(redis.ConnectionError("a link out of step is not reused"))
@@ -230,12 +259,15 @@ class Links:
         if self.max_links is not None and len(self.every) >= self.max_links:
             raise redis.ConnectionError("Too many connections")
         deadline = None if self.connect_timeout is None else loop.time() + self.connect_timeout
-        sock = await open_socket(loop, self.address, deadline)
+        address = self.address
+        if not address.get("host") and "path" not in address:
+            raise redis.ConnectionError("no primary is named by the sentinels yet")
+        sock = await open_socket(loop, address, deadline)
         tls = incoming = outgoing = None
         try:
             if self.ssl is not None:
                 incoming, outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
-                tls = self.ssl.wrap_bio(incoming, outgoing, server_hostname=self.address["host"])
+                tls = self.ssl.wrap_bio(incoming, outgoing, server_hostname=address["host"])
                 await handshake(loop, sock, tls, incoming, outgoing, deadline)
         except BaseException:
             sock.close()
@@ -243,13 +275,18 @@ class Links:
         link = Link(loop, sock, tls, incoming, outgoing)
         try:
             self.every.add(link)
-            link.gone.add_done_callback(lambda _: self.every.discard(link))
+            self._made_for[link] = address
+            link.gone.add_done_callback(lambda _: self._forget(link))
             if self.handshake:
                 await self._configure(link)
         except BaseException as exc:
             link.abort(exc if isinstance(exc, Exception) else redis.ConnectionError("cancelled"))
             raise
         return link
+
+    def _forget(self, link: Link) -> None:
+        self.every.discard(link)
+        self._made_for.pop(link, None)
 
     async def _configure(self, link: Link) -> None:
         """AUTH, CLIENT SETNAME and SELECT in one round, as redis-py sends them."""
