@@ -5,12 +5,12 @@ in the next one, on one connection (in a cluster, one per node; calls it cannot 
 are redirected go through redis-py's cluster client, ``_command``). ``batching=False`` sends
 each call on its own. Every script call is an ``Exchange``, whichever way it goes.
 
-Which connections carry them: to one server opened from a URL, and to each node of a cluster
-opened from one, ratekeeper's own (``_protocol``: non-blocking sockets read by hiredis, replies
-stamped on arrival), configured as redis-py would configure its own; where those cannot serve
-(a connection option only redis-py honours, Sentinel, a user's own client), redis-py's
-connections through ``_pipeline``; calls a cluster batch cannot place, or that are redirected,
-through ``_command``.
+Which connections carry them: to one server opened from a URL, to each node of a cluster
+opened from one, and to the primary the sentinels name, ratekeeper's own (``_protocol``:
+non-blocking sockets read by hiredis, replies stamped on arrival), configured as redis-py would
+configure its own; where those cannot serve (a connection option only redis-py honours, a
+user's own client), redis-py's connections through ``_pipeline``; calls a cluster batch cannot
+place, or that are redirected, through ``_command``.
 
 redis-py internals: ``client.connection_pool`` (``release``; check-out through ``_compat``);
 cluster clients' ``_initialize``, ``initialize()``, ``get_node_from_key``, a node's

@@ -13,9 +13,11 @@ of the task that sent it.
 own connection for the same client: the same host and port, unix socket path or TLS context
 (built by redis-py's ``SSLConnection`` from the same options), then ``AUTH`` (username and
 password, or password), ``CLIENT SETNAME`` and ``SELECT``, sent together, in RESP2. Only a
-client that redis-py would connect that way is served here (``Links.serving``): a connection
-class, a credential provider, RESP3, a retry or any other connection option of the user's keeps
-redis-py's own connections (``_pipeline``), as do clusters, Sentinel and a client of the user's.
+client that redis-py would connect that way is served here (``Links.serving``; a cluster's
+nodes, ``Links.for_node``; the primary a Sentinel names, ``Links.for_sentinel``, which
+``follow`` the sentinels' word): a connection class, a credential provider, RESP3, a retry or
+any other connection option of the user's keeps redis-py's own connections (``_pipeline``), as
+does a client of the user's.
 
 What happens to the calls is the exchange's rule (``_exchange``), driven by ``run``:
 
