@@ -224,7 +224,7 @@ def web_case(url: str, work_ms: float, seconds: float, limit: int) -> dict[str, 
     split = split_cpus()
     try:
         out = subprocess.run(
-            pinned([wrk, "-t1", "-c64", f"-d{seconds}s", "--timeout", "10s",
+            pinned([wrk, "-t1", "-c64", f"-d{max(1, round(seconds))}s", "--timeout", "10s",
                     f"http://127.0.0.1:{server.port}/"], None if split is None else split[0]),
             capture_output=True, text=True, check=True, timeout=seconds + 60,
         ).stdout  # fmt: skip

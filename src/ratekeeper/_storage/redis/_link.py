@@ -24,6 +24,7 @@ redis-py internals: none here (the reader's, in ``_wire``).
 from __future__ import annotations
 
 import asyncio
+import atexit
 import socket
 import ssl
 import struct
@@ -50,7 +51,7 @@ _READ = 262_144
 #: Linux's ``SO_TIMESTAMPNS`` (Python's ``socket`` module does not name it): every received
 #: segment is stamped with the kernel's ``CLOCK_REALTIME``, handed over by ``recvmsg``.
 _SO_TIMESTAMPNS = getattr(socket, "SO_TIMESTAMPNS", 35 if sys.platform == "linux" else None)
-_ANCILLARY = socket.CMSG_SPACE(16)
+_ANCILLARY = socket.CMSG_SPACE(16) if hasattr(socket, "CMSG_SPACE") else 0
 _TIMESPEC = {16: struct.Struct("@qq"), 8: struct.Struct("@ii")}
 _NEVER = float("inf")
 #: A read this soon after its round was written needs no stamp: the reply arrived within it.
@@ -65,7 +66,31 @@ def stamps_on(sock: socket.socket) -> bool:
         sock.setsockopt(socket.SOL_SOCKET, _SO_TIMESTAMPNS, 1)
     except OSError:
         return False
+    if not _KEEPER:
+        _KEEPER.append(_keeper())
     return True
+
+
+def _keeper() -> socket.socket | None:
+    """A socket that asks for stamps and stays open for the process's life. Linux stamps
+    received segments only while some socket on the machine asks, and turns stamping on
+    lazily (a deferred work item) when the first one does: the first replies on a link made
+    while no other socket asked could arrive unstamped (then they are timed from their read,
+    a busy loop's wait included). With this one open, the links never wait for that."""
+    try:
+        keeper = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    except OSError:
+        return None
+    try:
+        keeper.setsockopt(socket.SOL_SOCKET, _SO_TIMESTAMPNS, 1)  # type: ignore[arg-type]
+    except OSError:
+        keeper.close()
+        return None
+    atexit.register(keeper.close)
+    return keeper
+
+
+_KEEPER: list[socket.socket | None] = []
 
 
 def _arrived(ancillary: list[tuple[int, int, bytes]], now: float) -> float:

@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import asyncio
 import ssl
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -187,7 +188,8 @@ class Links:
     def _made_as(cls, kind: Any, options: dict[str, Any], max_connections: int) -> Links | None:
         kwargs = {k: v for k, v in options.items() if k not in _UNSET_ONLY or v}
         if (
-            kind not in (_PLAIN, _UNIX, _TLS)
+            sys.platform == "win32"  # the proactor loop watches no sockets (add_reader)
+            or kind not in (_PLAIN, _UNIX, _TLS)
             or set(kwargs) - _HONOURED
             or kwargs.get("protocol") not in (None, 2, "2")
             or kwargs.get("health_check_interval", 0)
