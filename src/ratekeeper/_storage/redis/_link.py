@@ -44,7 +44,7 @@ from ._wire import INCOMPLETE, IdleCheck, new_reader
 if TYPE_CHECKING:
     from ._protocol import Links
 
-__all__ = ["Link", "Round", "stamps_on"]
+__all__ = ["Link", "Round", "keep_stamping", "stamps_on"]
 
 #: The most bytes one read takes from the socket.
 _READ = 262_144
@@ -66,9 +66,15 @@ def stamps_on(sock: socket.socket) -> bool:
         sock.setsockopt(socket.SOL_SOCKET, _SO_TIMESTAMPNS, 1)
     except OSError:
         return False
+    keep_stamping()
+    return True
+
+
+def keep_stamping() -> None:
+    """Open the process's stamping socket (``_keeper``) if it is not open yet: ahead of the
+    first link, so that stamping is on by the time its replies come."""
     if not _KEEPER:
         _KEEPER.append(_keeper())
-    return True
 
 
 def _keeper() -> socket.socket | None:
@@ -77,12 +83,14 @@ def _keeper() -> socket.socket | None:
     lazily (a deferred work item) when the first one does: the first replies on a link made
     while no other socket asked could arrive unstamped (then they are timed from their read,
     a busy loop's wait included). With this one open, the links never wait for that."""
+    if _SO_TIMESTAMPNS is None:
+        return None
     try:
         keeper = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     except OSError:
         return None
     try:
-        keeper.setsockopt(socket.SOL_SOCKET, _SO_TIMESTAMPNS, 1)  # type: ignore[arg-type]
+        keeper.setsockopt(socket.SOL_SOCKET, _SO_TIMESTAMPNS, 1)
     except OSError:
         keeper.close()
         return None

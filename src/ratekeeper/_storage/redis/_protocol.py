@@ -60,7 +60,7 @@ from ._batch import Pending
 from ._connect import handshake, open_socket
 from ._errors import CLIENT_ERRORS, IO_ERRORS
 from ._exchange import DONE
-from ._link import Link, Round
+from ._link import Link, Round, keep_stamping
 from ._wire import closed_while_idle, pack_command, pack_round
 
 __all__ = ["Link", "Links", "Round"]
@@ -142,6 +142,7 @@ class Links:
         self.loop: asyncio.AbstractEventLoop | None = None
         #: Links made before the address last changed (``follow``) are not reused.
         self._made_for: dict[Link, dict[str, Any]] = {}
+        keep_stamping()
 
     @classmethod
     def serving(cls, client: Any, *, own_retry: bool) -> Links | None:
