@@ -5,10 +5,12 @@ rendered into ``docs/resilience-figures.md`` when the suite is asked to.
 Sentinel suites). ``RESULTS`` (under the temp directory) keeps every run's figures, newest per
 name. With ``RATEKEEPER_WRITE_FIGURES=1``, the session's end rewrites the page from the figures
 recorded in that session (``tests/conftest.py``), so the page a developer commits is the one a
-run produced, not numbers copied by hand::
+run produced, not numbers copied by hand; many of those tests are marked ``chaos``, which the
+plain ``pytest`` leaves out, so the run selects every test::
 
-    RATEKEEPER_WRITE_FIGURES=1 pytest tests/test_chaos.py tests/test_cluster.py \
-        tests/test_sentinel.py
+    RATEKEEPER_WRITE_FIGURES=1 pytest -m "chaos or not chaos" tests/test_chaos.py \
+        tests/test_cluster.py tests/test_sentinel.py tests/test_failure_modes.py \
+        tests/test_service_batching.py tests/test_batching.py
 """
 
 from __future__ import annotations

@@ -10,6 +10,13 @@ eight threads on this two-core machine from turning into a pure GIL contest.
 
 Measured figures (decision latency while stalled, time to open, time to recover, EVALSHA
 counts) are printed and recorded (`tests/figures.py`: a JSON file, and the figures page).
+
+The tests whose point is a wall-clock bound (a stall's latencies and time to open, recovery
+within a second, the degraded decisions a 30 ms hiccup costs at the default 20 ms timeout) are
+marked ``chaos``: a loaded machine can break them whatever the limiter does, so the README's
+``pytest`` leaves them out and CI runs them (``pytest -m chaos``) in a step of their own that
+reports their figures. The others assert what load cannot change (exact counts, recovery from
+SCRIPT FLUSH, the failure modes on a full store) with generous timeouts.
 """
 
 from __future__ import annotations
@@ -349,6 +356,7 @@ def check_stall(
     assert closed_after <= max_open_for + 1.0
 
 
+@pytest.mark.chaos
 def test_stall_under_threads(victim: RedisServer, key_prefix: str):
     breaker = stall_breaker()
     transitions = Transitions(breaker)
@@ -429,6 +437,7 @@ async def apoll(condition: Callable[[], bool], timeout: float) -> float | None:
     return time.monotonic() - started
 
 
+@pytest.mark.chaos
 @pytest.mark.parametrize("batching", [True, False], ids=["batching", "no-batching"])
 def test_stall_under_asyncio(victim: RedisServer, key_prefix: str, batching: bool):
     breaker = stall_breaker()
@@ -486,6 +495,7 @@ def test_stall_under_asyncio(victim: RedisServer, key_prefix: str, batching: boo
 # --- latency: a slow but working store -----------------------------------------------------------
 
 
+@pytest.mark.chaos
 def test_slow_store_trips_the_breaker_on_latency_alone(victim: RedisServer, key_prefix: str):
     """Every reply 30 ms late, none failing: the breaker opens on slow calls alone, its slow
     probes back off (open_for doubling to its cap), and once the delay is gone it closes once
@@ -566,6 +576,7 @@ def test_slow_store_trips_the_breaker_on_latency_alone(victim: RedisServer, key_
 # --- down and back: kill -9, restart, SCRIPT FLUSH -----------------------------------------------
 
 
+@pytest.mark.chaos
 def test_kill_restart_and_script_flush_under_load(
     victim: RedisServer, key_prefix: str, caplog: pytest.LogCaptureFixture
 ):
@@ -981,6 +992,7 @@ def _spend(hit: Callable[[Policy, Identity], Decision], callers: int) -> None:
 HICCUP_OPTIONS: dict[str, Any] = {"deny_cache_max_age": 0.005}
 
 
+@pytest.mark.chaos
 def test_one_hiccup_under_threads_is_one_fault(victim: RedisServer, key_prefix: str):
     breaker = CircuitBreaker()  # the defaults: 20 ms slow calls, 5 failures in a row
     transitions = Transitions(breaker)
@@ -1001,6 +1013,7 @@ def test_one_hiccup_under_threads_is_one_fault(victim: RedisServer, key_prefix: 
     check_hiccup(f"hiccup_threads[{victim.binary.flavor}]", load.samples, 8, transitions, calls_in)
 
 
+@pytest.mark.chaos
 @pytest.mark.parametrize("batching", [True, False], ids=["batching", "no-batching"])
 def test_one_hiccup_under_asyncio_is_one_fault(
     victim: RedisServer, key_prefix: str, batching: bool
@@ -1050,6 +1063,7 @@ def test_one_hiccup_under_asyncio_is_one_fault(
 QUEUED_SLACK = 0.015
 
 
+@pytest.mark.chaos
 @pytest.mark.parametrize("batching", [True, False], ids=["batching", "no-batching"])
 def test_asyncio_decision_waits_at_most_its_timeout(
     victim: RedisServer, key_prefix: str, batching: bool
@@ -1111,18 +1125,26 @@ def test_asyncio_decision_waits_at_most_its_timeout(
 
 # --- a new connection and a script load are not the store's slowness ----------------------------
 
-SETUP_DELAY = 0.008  # each reply 8 ms late: a first call's set-up takes several of them
+#: Each reply this late. A first call's set-up takes several replies (the asyncio limiter,
+#: connected on entry: NOSCRIPT, SCRIPT LOAD, EVALSHA; redis-py: its handshake too), its last
+#: round trip one or two delays (a reply in two chunks: 17 ms at an 8 ms delay).
+SETUP_DELAY = 0.05
+#: The breaker's slow call: above a last round trip (two delays) with room for a loaded
+#: machine's scheduling (the test once ran at an 8 ms delay and 20 ms, and a loaded machine's
+#: 20.8 ms opened the breaker), below what a first call's caller waits (three delays at least).
+FIRST_CALL_SLOW = 0.14
 
 
 @pytest.mark.parametrize("api", ["sync", "async"])
 def test_a_first_call_is_judged_by_its_last_round_trip(
     victim: RedisServer, key_prefix: str, api: str
 ):
-    """Each reply 8 ms late, the script cache flushed, a breaker that opens on one slow call
-    (20 ms): the first call opens a connection (redis-py's handshake) and loads the script
-    (NOSCRIPT, SCRIPT LOAD, EVALSHA), so its caller waits well past 20 ms, but the breaker
-    times only its last round trip and stays closed; each call after it is one round trip."""
-    breaker = CircuitBreaker(slow_call=0.02, min_calls=1, slow_ratio=1.0)
+    """Each reply 50 ms late, the script cache flushed, a breaker that opens on one slow call
+    (140 ms): the first call loads the script (NOSCRIPT, SCRIPT LOAD, EVALSHA; through
+    redis-py it opens the connection too), so its caller waits longer than a slow call, but
+    the breaker times only its last round trip and stays closed; each call after it is one
+    round trip."""
+    breaker = CircuitBreaker(slow_call=FIRST_CALL_SLOW, min_calls=1, slow_ratio=1.0)
     calls = RecordingMetrics()
     policy = Policy("first-call", "100/minute")
     with victim.client() as client:
@@ -1132,8 +1154,8 @@ def test_a_first_call_is_judged_by_its_last_round_trip(
             "key_prefix": key_prefix,
             "breaker": breaker,
             "metrics": calls,
-            "timeout": 0.2,
-            "connect_timeout": 0.2,
+            "timeout": 2.0,
+            "connect_timeout": 2.0,
         }
         if api == "sync":
             with Limiter.from_url(proxy.url, **options) as limiter:
@@ -1158,6 +1180,6 @@ def test_a_first_call_is_judged_by_its_last_round_trip(
         breaker=str(breaker.state),
     )
     assert (first.allowed, first.degraded, second.remaining) == (True, False, 98)
-    assert waited > 2 * SETUP_DELAY  # the set-up took several round trips
-    assert max(s for s, _ in calls.store_calls) < 0.02  # each judged by one round trip
+    assert waited > FIRST_CALL_SLOW  # the set-up took several round trips: a slow call
+    assert max(s for s, _ in calls.store_calls) < FIRST_CALL_SLOW  # each judged by its last
     assert breaker.state is CLOSED

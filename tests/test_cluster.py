@@ -8,7 +8,8 @@
 * exactness: 4 processes x 16 threads on one identity admit exactly the limit;
 * topology changes under load (resharding, a coordinated failover, ``kill -9`` of a primary):
   no exception reaches a caller, no identity is admitted over its limit where no write can be
-  lost, and exact enforcement resumes within 5 s of ``cluster_state:ok``.
+  lost, and exact enforcement resumes (within 5 s of ``cluster_state:ok``: the ``timed``
+  variants, chaos tests; see ``TIMED`` in ``topologies.py``).
 
 The destructive tests run last and the ``cluster`` fixture restores the original layout after
 every test. Measured figures are printed (``pytest -s`` shows them).
@@ -43,6 +44,7 @@ from .figures import record
 from .servers import RedisServer, free_port
 from .topologies import (
     SLOTS,
+    TIMED,
     BreakerLog,
     Cluster,
     Driver,
@@ -726,11 +728,12 @@ def test_resharding_under_load(cluster: Cluster) -> None:
     assert {source.command("CLUSTER", "COUNTKEYSINSLOT", slot) for slot in moving} == {0}
 
 
-def test_coordinated_failover_under_load(cluster: Cluster) -> None:
+@TIMED
+def test_coordinated_failover_under_load(cluster: Cluster, timed: bool) -> None:
     """CLUSTER FAILOVER on a replica while 4 threads hit identities on every slot range, with
     failure_mode="closed" and the default timeout and breaker: no exception reaches a caller, no
     identity is admitted over its limit, no acknowledged write is lost, and a fresh identity on
-    every primary gets exactly its limit within 5 s of cluster_state:ok."""
+    every primary gets exactly its limit again (``timed``: within 5 s of cluster_state:ok)."""
     prefix = f"failover-{uuid.uuid4().hex[:8]}"
     policy = Policy("failover", f"{LOAD_LIMIT}/hour")
     primary = cluster.nodes[1]
@@ -762,18 +765,21 @@ def test_coordinated_failover_under_load(cluster: Cluster) -> None:
     assert over == {}
     assert lost == {}
     assert _shards_touched(cluster, policy, prefix, stats) == 3
-    assert resumed - ok <= RESUME_WITHIN
+    if timed:
+        assert resumed - ok <= RESUME_WITHIN
 
 
-def test_kill_9_primary_under_load(cluster: Cluster) -> None:
+@TIMED
+def test_kill_9_primary_under_load(cluster: Cluster, timed: bool) -> None:
     """kill -9 of a primary while threads hit identities on every slot range with the default
     failure mode (open) and timeout: no exception reaches a caller, the replica is promoted,
-    and a fresh identity on every primary gets exactly its limit within 5 s of
-    cluster_state:ok; while the dead primary's breaker is open, the live primaries' keys are
-    still decided by the store. Two limiters run side by side: one with the default breaker,
-    one whose breaker never stays open more than 1 s, which tells the breaker's back-off apart
-    from the cluster's own recovery. (Writes the dead primary acknowledged but had not
-    replicated may be lost: asynchronous replication; counted and printed, not asserted.)"""
+    and a fresh identity on every primary gets exactly its limit again (``timed``: within 5 s
+    of cluster_state:ok); while the dead primary's breaker is open, a live primary's key is
+    not given to it (``timed``: it is decided by the store, the live breakers closed). Two
+    limiters run side by side: one with the default breaker, one whose breaker never stays
+    open more than 1 s, which tells the breaker's back-off apart from the cluster's own
+    recovery. (Writes the dead primary acknowledged but had not replicated may be lost:
+    asynchronous replication; counted and printed, not asserted.)"""
     prefix = f"kill-{uuid.uuid4().hex[:8]}"
     policy = Policy("kill", f"{LOAD_LIMIT}/hour")
     victim = cluster.nodes[2]
@@ -837,8 +843,11 @@ def test_kill_9_primary_under_load(cluster: Cluster) -> None:
         f"dead primary's breaker was open, an identity on a live primary got "
         f"degraded={live.degraded} ({live.reason})"
     )
-    assert not live.degraded
-    assert live_breakers == ["closed", "closed"]
+    # The dead primary's breaker and connection are its own: not a live primary's key's reason.
+    assert not (live.reason or "").startswith(("breaker_open", "unavailable")), live.reason
+    if timed:  # at the default 20 ms timeout: a loaded machine's scheduling can miss it
+        assert not live.degraded
+        assert live_breakers == ["closed", "closed"]
     for name in loads:
         lost = _lost_writes(cluster, prefix, policy, stats[name])
         print(
@@ -851,8 +860,9 @@ def test_kill_9_primary_under_load(cluster: Cluster) -> None:
         assert stats[name].exceptions == []
         assert stats[name].degraded > 0  # the dead primary's identities: the failure mode
         assert _shards_touched(cluster, policy, prefix, stats[name]) == 3
-    assert resumed["max_open_for=1s"] - ok <= RESUME_WITHIN
-    assert resumed["default"] - ok <= RESUME_WITHIN
+    if timed:
+        assert resumed["max_open_for=1s"] - ok <= RESUME_WITHIN
+        assert resumed["default"] - ok <= RESUME_WITHIN
 
 
 # --- one slow primary: one breaker per node -----------------------------------------------------
@@ -909,12 +919,14 @@ def _check_slow_node(
     assert [breakers[node].state for node in others] == ["closed", "closed"]
 
 
+@pytest.mark.chaos
 @pytest.mark.parametrize("api", ["sync", "async"])
 def test_one_slow_primary_degrades_only_its_own_keys(cluster: Cluster, api: str) -> None:
     """One primary of three answers 30 ms late (its replies pass a delay proxy, which the
     clients reach through redis-py's ``address_remap``), under 8 threads or 64 tasks with the
     default timeout (20 ms) and breaker: that primary's breaker opens and its keys go to the
-    failure mode; not one decision for the keys of the other two primaries is degraded."""
+    failure mode; not one decision for the keys of the other two primaries is degraded. A
+    chaos test: at 20 ms, a loaded machine's scheduling alone can degrade a healthy one's."""
     from .delay_proxy import DelayProxy
     from .test_chaos import AsyncLoad, Load, apoll, poll
 
@@ -990,13 +1002,15 @@ class _LoopThread:
 ASYNC_RESUME_WITHIN = 2.0
 
 
-def test_kill_9_primary_under_asyncio(cluster: Cluster) -> None:
+@TIMED
+def test_kill_9_primary_under_asyncio(cluster: Cluster, timed: bool) -> None:
     """kill -9 of a primary while 48 asyncio tasks (batching on, the default options) hit
     identities on every primary: no exception reaches a caller, no call for a live primary is
-    lost to the dead one and their breakers stay closed (their keys are degraded only in the
-    cluster's own CLUSTERDOWN window), and a fresh identity on every primary (the promoted
-    replica's included) gets exactly its limit within 2 s of cluster_state:ok: the asyncio
-    storage learns the new slot map when the dead node cannot be reached."""
+    lost to the dead one (``timed``: and their breakers stay closed, their keys degraded only in
+    the cluster's own CLUSTERDOWN window), and a fresh identity on every primary (the promoted
+    replica's included) gets exactly its limit again (``timed``: within 2 s of
+    cluster_state:ok): the asyncio storage learns the new slot map when the dead node cannot be
+    reached."""
     from .test_chaos import AsyncLoad
 
     prefix = f"akill-{uuid.uuid4().hex[:8]}"
@@ -1052,12 +1066,15 @@ def test_kill_9_primary_under_asyncio(cluster: Cluster) -> None:
     assert [s.error for s in samples if s.error is not None] == []
     assert inexact == []
     # No call for a live primary was sent to the dead one or lost its connection to a
-    # rediscovery, and their breakers stayed closed: the live primaries' keys were degraded
-    # only while the cluster itself answered CLUSTERDOWN (the dead primary's slots uncovered,
-    # with the default cluster-require-full-coverage), or by a late reply.
-    assert not any(r.startswith(("unavailable", "breaker_open")) for r in live_reasons)
+    # rediscovery, and (at the default 20 ms timeout, so ``timed`` only) their breakers stayed
+    # closed: the live primaries' keys were degraded only while the cluster itself answered
+    # CLUSTERDOWN (the dead primary's slots uncovered, with the default
+    # cluster-require-full-coverage), or by a late reply.
+    assert not any(r.startswith("unavailable") for r in live_reasons)
     assert dead_degraded > 0
-    assert resumed - ok <= ASYNC_RESUME_WITHIN
+    if timed:
+        assert not any(r.startswith("breaker_open") for r in live_reasons)
+        assert resumed - ok <= ASYNC_RESUME_WITHIN
 
 
 def test_slots_cover_the_keyspace(cluster: Cluster) -> None:
