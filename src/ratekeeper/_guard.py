@@ -73,8 +73,10 @@ def _round_trip(started: float, now: float) -> tuple[float, float]:
     trip = ROUND_TRIP.get()
     if trip is None or trip.sent < started:
         return started, now
-    answered = trip.answered
-    return trip.sent, answered if trip.sent <= answered <= now else now
+    sent, answered = trip.sent, trip.answered
+    if not answered:  # the storage did not say
+        return sent, now
+    return sent, min(max(answered, sent), now)
 
 
 class _Throttled:

@@ -101,10 +101,12 @@ def _keeper() -> socket.socket | None:
 _KEEPER: list[socket.socket | None] = []
 
 
-def _arrived(ancillary: list[tuple[int, int, bytes]], now: float) -> float:
-    """When the newest segment of a read made at ``now`` reached the socket, on
-    ``time.perf_counter``'s clock (``now``, if the kernel gave no stamp). Only the time it waited
-    unread is taken from the wall clock, so a step of the wall clock moves nothing else."""
+def _arrived(ancillary: list[tuple[int, int, bytes]]) -> float:
+    """When the newest segment of a read just made reached the socket, on
+    ``time.perf_counter``'s clock (now, if the kernel gave no stamp). Only the time it waited
+    unread is taken from the wall clock, read together with ``perf_counter`` after the read (a
+    pause between them would move the arrival), so a step of the wall clock moves nothing else."""
+    now = time.perf_counter()
     for level, kind, data in ancillary:
         if level == socket.SOL_SOCKET and kind == _SO_TIMESTAMPNS:
             layout = _TIMESPEC.get(len(data))
@@ -194,7 +196,7 @@ class Link:
         try:
             if self.stamped and rounds and arrived > rounds[0].prompt:
                 data, ancillary, _, _ = self.sock.recvmsg(_READ, _ANCILLARY)
-                arrived = _arrived(ancillary, arrived)
+                arrived = _arrived(ancillary)
             else:
                 data = self.sock.recv(_READ)
         except (BlockingIOError, InterruptedError):
