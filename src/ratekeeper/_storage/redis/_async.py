@@ -146,8 +146,11 @@ class AsyncRedisStorage:
     ) -> list[int]:
         if not self._ready:
             await self._discover()
-        if self._watch is not None:
-            await self._follow_primary(self._watch)
+        watch = self._watch
+        if watch is not None:
+            due = watch.due()  # (it starts the next interval when it says yes)
+            if due or watch.address != self._followed:
+                await self._follow_primary(watch, due)
         if self._batcher is not None:
             pending = self._batcher.enqueue(script, keys, args)
             assert pending.future is not None
@@ -170,16 +173,17 @@ class AsyncRedisStorage:
             await self._check_eviction()
         return reply
 
-    async def _follow_primary(self, watch: Any) -> None:
-        """Ask the sentinels which server is the primary when it is due (``_sentinel``), and
-        point the links at it when it changed."""
-        if watch.due():
+    async def _follow_primary(self, watch: Any, due: bool) -> None:
+        """Ask the sentinels which server is the primary when it is ``due`` (``_sentinel``),
+        and point the links at it when it changed."""
+        if due:
             await watch.acheck()
         address = watch.address
-        if self._links is not None and address is not None and address != self._followed:
+        if address is not None and address != self._followed:
             self._followed = address
-            host, _, port = address.rpartition(":")
-            self._links.follow(host, int(port))
+            if self._links is not None:
+                host, _, port = address.rpartition(":")
+                self._links.follow(host, int(port))
 
     # --- one server ------------------------------------------------------------------------
 
@@ -355,7 +359,7 @@ class AsyncRedisStorage:
             if not self._ready:
                 await self._discover_raw()
             if self._watch is not None:
-                await self._follow_primary(self._watch)
+                await self._follow_primary(self._watch, self._watch.due())
             if self._links is not None:
                 self._links.give(self._links.take() or await self._links.connect())
             elif not self._cluster:

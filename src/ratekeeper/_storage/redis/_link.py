@@ -289,12 +289,11 @@ class Link:
                 current = rounds[0]
                 replies = current.replies
                 slots = current.slots
+                if self.stamped and arrived > current.deadline and current.late is None:
+                    # Replies arrive in order: this one and every later one are late.
+                    current.late = redis.TimeoutError("the reply arrived after the deadline")
                 if slots is not None:
-                    if self.stamped and arrived > current.deadline:
-                        if current.late is None:
-                            current.late = redis.TimeoutError(
-                                "the reply arrived after the deadline"
-                            )
+                    if current.late is not None:
                         for call in slots[len(replies)]:
                             call.exchange.answered = arrived
                             call.exchange.timed_out(current.late)
@@ -309,8 +308,6 @@ class Link:
                                 call.settle()
                             else:
                                 current.again.append(call)
-                elif self.stamped and arrived > current.deadline and current.late is None:
-                    current.late = redis.TimeoutError("the reply arrived after the deadline")
                 replies.append(reply)
                 if len(replies) == current.count:
                     rounds.popleft()
