@@ -111,6 +111,7 @@ class CircuitBreaker:
             "clock": clock,
         }
         self._lock = threading.Lock()
+        self._delivering = threading.RLock()
         self._listeners: list[Callable[[BreakerState, BreakerState], None]] = []
         self._events: list[tuple[BreakerState, BreakerState]] = []
         self._state = BreakerState.CLOSED
@@ -305,9 +306,13 @@ class CircuitBreaker:
             self._events.append((old, new))
 
     def _flush(self) -> None:
-        """Tell listeners about transitions; called with the lock released."""
-        with self._lock:
-            events, self._events = self._events, []
-        for old, new in events:
-            for listener in self._listeners:
-                listener(old, new)
+        """Tell listeners about transitions, in the order they happened; called with the lock
+        released. One thread delivers at a time (a listener may read the breaker again on its
+        own thread): two threads that each took their events could otherwise tell them out of
+        order."""
+        with self._delivering:
+            with self._lock:
+                events, self._events = self._events, []
+            for old, new in events:
+                for listener in self._listeners:
+                    listener(old, new)
