@@ -46,7 +46,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 import ratekeeper  # noqa: E402
-from ratekeeper._bench import _never_open  # noqa: E402
+from ratekeeper.cli._bench_ops import _never_open  # noqa: E402
 from tests.servers import RedisServer, ServerBinary, find_binaries  # noqa: E402
 
 __all__ = [

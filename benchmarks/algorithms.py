@@ -50,9 +50,9 @@ from rich.console import Console
 
 from ratekeeper import Limiter, ManualClock, Policy
 from ratekeeper._algorithms import ALGORITHMS
-from ratekeeper._core import Call, Core
-from ratekeeper._policy import DEFAULT_MAX_LOG_ENTRIES
-from ratekeeper._scripts import load_script
+from ratekeeper._algorithms.policy import DEFAULT_MAX_LOG_ENTRIES
+from ratekeeper._algorithms.scripts import load_script
+from ratekeeper._engine.core import Call, Core
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results" / "algorithms.json"

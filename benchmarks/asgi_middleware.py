@@ -73,7 +73,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from ratekeeper._guard import DEFAULT_DENY_CACHE_MAX_AGE
+from ratekeeper._engine.guard import DEFAULT_DENY_CACHE_MAX_AGE
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results" / "asgi_middleware.json"

@@ -97,8 +97,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 import ratekeeper
 from ratekeeper import AsyncLimiter, Limiter, Policy
-from ratekeeper._core import Core
-from ratekeeper._scripts import Script
+from ratekeeper._algorithms.scripts import Script
+from ratekeeper._engine.core import Core
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent

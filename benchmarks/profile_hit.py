@@ -25,7 +25,7 @@ import redis
 from _harness import Server, find_binary, store_only
 
 from ratekeeper import Limiter, Policy
-from ratekeeper._core import Call, Core
+from ratekeeper._engine.core import Call, Core
 from ratekeeper._storage.redis import RedisStorage
 
 

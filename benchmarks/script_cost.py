@@ -29,8 +29,8 @@ and ARGV, as ``limits/storage/redis.py`` makes them) and sent pipelined, 200 at 
 server runs the same commands, only the client is faster, and a run takes about 30 s.
 ``--through-api`` calls the methods themselves, one at a time (several times slower).
 ``--baseline DIR`` adds each ratekeeper algorithm once more with the scripts in ``DIR`` (a copy
-of ``src/ratekeeper/lua`` from before a change; same keys and ARGV), for before/after ratios in
-one run.
+of ``src/ratekeeper/_algorithms/lua`` from before a change; same keys and ARGV), for
+before/after ratios in one run.
 
 Run: ``.venv/bin/python benchmarks/script_cost.py [--hits 20000] [--identities 10000]
 [--rounds 5] [--spec 100/minute] [--flavor redis|valkey] [--baseline DIR] [--through-api]``
@@ -57,8 +57,8 @@ from _server_cost import Case, Cost, limiter_case, limits_case, measure
 from rich.console import Console
 
 from ratekeeper import Decision, Limiter, Policy
-from ratekeeper._core import Call, Core
-from ratekeeper._scripts import Script, load_script
+from ratekeeper._algorithms.scripts import Script, load_script
+from ratekeeper._engine.core import Call, Core
 
 ALGORITHMS = ("sliding_log", "sliding_window", "fixed_window", "gcra", "concurrency")
 #: Calls per pipeline in the default mode.

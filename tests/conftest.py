@@ -31,7 +31,7 @@ import pytest
 import redis
 
 from ratekeeper import AsyncLimiter, AsyncReservation, Decision, Limiter, Policy
-from ratekeeper._keys import Identity
+from ratekeeper._engine.keys import Identity
 
 from .private_servers import private_servers
 from .seams import Wire, spy_on_the_wire

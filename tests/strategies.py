@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from hypothesis import strategies as st
 
 from ratekeeper import Policy, Rate
-from ratekeeper._keys import Identity
+from ratekeeper._engine.keys import Identity
 
 #: A realistic epoch for ManualClock: microseconds near 1.7e15 exercise the real magnitudes.
 START = 1_700_000_000.0

@@ -1,7 +1,7 @@
 """The contract of each algorithm, on every backend (memory, Redis, Valkey) and API (sync, async).
 
 Every expected number is computed by hand from the algorithm's documented semantics (the
-docstrings of ``ratekeeper/_algorithms/*.py`` and ``ratekeeper/lua/*.lua``). Time is an
+docstrings of ``ratekeeper/_algorithms/*.py`` and ``ratekeeper/_algorithms/lua/*.lua``). Time is an
 ``ExactClock``: a ``ManualClock`` moved in whole microseconds and read back by the core as
 exactly those microseconds, starting on an hour boundary so that every epoch-aligned window
 (fixed_window, sliding_window) starts at a known instant.

@@ -31,7 +31,7 @@ from ratekeeper import (
     RequestRejected,
     StorageTimeout,
 )
-from ratekeeper._scripts import load_script
+from ratekeeper._algorithms.scripts import load_script
 from ratekeeper._storage.redis import BATCH_LANES, _batch
 from ratekeeper._storage.redis._protocol import Link, Links
 from ratekeeper.testing import RecordingMetrics

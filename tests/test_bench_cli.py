@@ -15,8 +15,8 @@ import redis
 from click.testing import CliRunner, Result
 
 from ratekeeper import BreakerState, Policy
-from ratekeeper._bench import PERCENTILES, BenchConfig, LatencyHistogram, _options, redact
 from ratekeeper.cli import main
+from ratekeeper.cli._bench_ops import PERCENTILES, BenchConfig, LatencyHistogram, _options, redact
 
 from .servers import RedisServer
 
@@ -141,7 +141,7 @@ def test_run_against_a_private_server(server: RedisServer, admin: redis.Redis, m
     # The bench writes only under its own prefix, and every key it wrote expires on its own.
     keys = list(admin.scan_iter(match=f"{data['key_prefix']}:*", count=1000))
     assert keys
-    # (the top offenders' summary of a minute is kept an hour after it: ratekeeper._top)
+    # (the top offenders' summary of a minute is kept an hour after it: ratekeeper._engine.top)
     assert all(0 < admin.pttl(key) <= 3_661_000 for key in keys)
 
 

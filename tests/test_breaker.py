@@ -15,7 +15,7 @@ import pytest
 
 import ratekeeper
 from ratekeeper import ConfigError, Limiter
-from ratekeeper._breaker import BreakerState, CircuitBreaker
+from ratekeeper._engine.breaker import BreakerState, CircuitBreaker
 from ratekeeper.testing import ManualClock
 
 CLOSED, OPEN, HALF_OPEN = BreakerState.CLOSED, BreakerState.OPEN, BreakerState.HALF_OPEN
@@ -452,7 +452,7 @@ def test_a_limiter_refuses_a_breaker_that_is_not_one():
 def test_the_breaker_is_importable_from_the_package():
     """README: "Configure it with ``breaker=CircuitBreaker(window=..., ...)``" and "its state
     is ``limiter.breaker.state``", yet the class and its states live only in the private
-    ``ratekeeper._breaker``."""
+    ``ratekeeper._engine.breaker``."""
     assert ratekeeper.CircuitBreaker is CircuitBreaker  # type: ignore[attr-defined]
     assert ratekeeper.BreakerState is BreakerState  # type: ignore[attr-defined]
 

@@ -35,8 +35,8 @@ import pytest
 import redis
 
 from ratekeeper import AsyncLimiter, Decision, Limiter, Policy
-from ratekeeper._breaker import BreakerState, CircuitBreaker
-from ratekeeper._keys import Identity
+from ratekeeper._engine.breaker import BreakerState, CircuitBreaker
+from ratekeeper._engine.keys import Identity
 from ratekeeper.testing import RecordingMetrics
 
 from .delay_proxy import DelayProxy

@@ -35,9 +35,9 @@ from redis.crc import key_slot
 
 from ratekeeper import AsyncLimiter, CircuitBreaker, Decision, Limiter, ManualClock, Policy
 from ratekeeper._algorithms import get_algorithm
-from ratekeeper._core import Core
-from ratekeeper._keys import Identity, identity_bytes
-from ratekeeper._scripts import load_script
+from ratekeeper._algorithms.scripts import load_script
+from ratekeeper._engine.core import Core
+from ratekeeper._engine.keys import Identity, identity_bytes
 
 from . import workers
 from .figures import record

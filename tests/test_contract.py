@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 
 from ratekeeper import AsyncLimiter, Decision, Limiter, ManualClock, Policy, Rate
-from ratekeeper._decision import make_decision
-from ratekeeper._keys import KeyBuilder
+from ratekeeper._engine.keys import KeyBuilder
+from ratekeeper._model.decision import make_decision
 from ratekeeper.testing import decision
 
 from .conftest import MakeLimiter, Pttl

@@ -31,7 +31,7 @@ from ratekeeper import (
     StorageTimeout,
     StorageUnavailable,
 )
-from ratekeeper._scripts import load_script
+from ratekeeper._algorithms.scripts import load_script
 from ratekeeper._storage.redis._errors import translate
 from ratekeeper._storage.redis._exchange import DONE, RECONNECT, SEND, Exchange
 

@@ -28,8 +28,8 @@ from ratekeeper import (
     StorageError,
     StorageUnavailable,
 )
-from ratekeeper._breaker import BreakerState, CircuitBreaker
-from ratekeeper._errors import RequestRejected
+from ratekeeper._engine.breaker import BreakerState, CircuitBreaker
+from ratekeeper._model.errors import RequestRejected
 
 from .figures import record
 from .servers import RedisServer, command_calls, free_port
@@ -619,7 +619,7 @@ def test_deny_cache_max_age_is_checked():
 def test_the_local_mode_keeps_a_bounded_number_of_identities(dead_url: str, key_prefix: str):
     """With the store down, rotated identities each get a local budget, and the oldest are
     forgotten past ``LOCAL_MAX_KEYS``: memory stays bounded (the figure: test_memory_usage)."""
-    from ratekeeper._guard import LOCAL_MAX_KEYS
+    from ratekeeper._engine.fallback import LOCAL_MAX_KEYS
 
     policy = Policy("local-bounded", "5/minute", "gcra")
     with Limiter.from_url(dead_url, key_prefix=key_prefix, failure_mode="local") as limiter:
@@ -627,9 +627,9 @@ def test_the_local_mode_keeps_a_bounded_number_of_identities(dead_url: str, key_
             decision = limiter.hit(policy, identity)
             assert decision.allowed
             assert decision.degraded
-        local = limiter._guard._local
+        local = limiter._guard.local
         assert local is not None
-        assert len(local) == LOCAL_MAX_KEYS
+        assert len(local.storage) == LOCAL_MAX_KEYS
         # The newest identity keeps its state, the first one was forgotten.
         assert limiter.hit(policy, LOCAL_MAX_KEYS + 499).remaining == 3
 

@@ -17,12 +17,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ratekeeper import AsyncLimiter, ConfigError, Limiter, ManualClock, Policy
+from ratekeeper import AsyncLimiter, AutoShare, ConfigError, Limiter, ManualClock, Policy
 from ratekeeper._algorithms import HIT, encode_args
-from ratekeeper._breaker import BreakerState, CircuitBreaker
-from ratekeeper._fleet import AutoShare
-from ratekeeper._keys import KeyBuilder
-from ratekeeper._scripts import load_script
+from ratekeeper._algorithms.scripts import load_script
+from ratekeeper._engine.breaker import BreakerState, CircuitBreaker
+from ratekeeper._engine.keys import KeyBuilder
 from ratekeeper._storage import open_sync
 from ratekeeper._storage.memory import MemoryStorage
 

@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from ratekeeper import AsyncLimiter, ConfigError, Limiter, Policy, RateLimited
-from ratekeeper._wait import JITTER
+from ratekeeper._limiters.wait import JITTER
 from ratekeeper.httpx import AsyncRateLimitedTransport, RateLimitedTransport
 
 from .http_servers import Upstream

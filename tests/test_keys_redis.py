@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from redis.crc import key_slot
 
 from ratekeeper import AsyncLimiter, Limiter, Policy, Rate
-from ratekeeper._core import TTL_MARGIN_MS
+from ratekeeper._engine.core import TTL_MARGIN_MS
 
 from .servers import RedisServer, command_calls
 

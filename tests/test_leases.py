@@ -18,7 +18,7 @@ import pytest
 import redis
 
 from ratekeeper import AsyncLease, ConfigError, Decision, Lease, ManualClock, Policy
-from ratekeeper._keys import Identity
+from ratekeeper._engine.keys import Identity
 
 from . import workers
 from .conftest import MakeLimiter

@@ -26,9 +26,9 @@ from ratekeeper import (
     Policy,
     StorageUnavailable,
 )
-from ratekeeper._breaker import BreakerState, CircuitBreaker
-from ratekeeper._scripts import Script
-from ratekeeper.metrics import (
+from ratekeeper._algorithms.scripts import Script
+from ratekeeper._engine.breaker import BreakerState, CircuitBreaker
+from ratekeeper._engine.metrics import (
     BREAKER_STATE,
     BREAKER_TRANSITIONS,
     DECISIONS,

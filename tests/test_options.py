@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from ratekeeper import AsyncLimiter, CircuitBreaker, ConfigError, Decision, Limiter, Policy
-from ratekeeper._limiter import STORAGE_URL_VARIABLE
+from ratekeeper._limiters.limiter import STORAGE_URL_VARIABLE
 from ratekeeper._storage.memory import MemoryStorage
 from ratekeeper.testing import RecordingMetrics
 from ratekeeper.typing import LimiterOptions, UrlOptions

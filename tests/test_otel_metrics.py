@@ -22,8 +22,8 @@ from opentelemetry.sdk.metrics.export import (
 )
 
 from ratekeeper import ConfigError, Limiter, ManualClock, Policy
-from ratekeeper._breaker import BreakerState, CircuitBreaker
-from ratekeeper.metrics import (
+from ratekeeper._engine.breaker import BreakerState, CircuitBreaker
+from ratekeeper._engine.metrics import (
     BREAKER_STATE,
     BREAKER_TRANSITIONS,
     DECISIONS,

@@ -13,7 +13,7 @@ import pytest
 
 import ratekeeper
 from ratekeeper import AsyncLimiter, ConfigError, Limiter, Policy, Rate
-from ratekeeper._keys import KeyBuilder
+from ratekeeper._engine.keys import KeyBuilder
 
 # -- Policy ----------------------------------------------------------------------------------
 
@@ -321,7 +321,7 @@ def _raised(call: Callable[[], object]) -> BaseException | None:
 @pytest.mark.parametrize("method", ["hit", "peek", "acquire", "reset", "keys"])
 @pytest.mark.parametrize("not_a_policy", ["api", None])
 def test_policy_must_be_a_policy(method: str, not_a_policy: object) -> None:
-    # Known bug: Core.hit and Core.acquire (src/ratekeeper/_core.py) read policy.algorithm
+    # Known bug: Core.hit and Core.acquire (src/ratekeeper/_engine/core.py) read policy.algorithm
     # before _call checks isinstance(policy, Policy), so hit and acquire raise AttributeError.
     with Limiter.from_url("memory://") as limiter:
         raised = _raised(lambda: getattr(limiter, method)(not_a_policy, "alice"))
@@ -427,7 +427,7 @@ def test_an_int_identity_too_large_to_print_is_a_config_error() -> None:
 
 
 def test_key_cache_keeps_only_short_identities_and_tells_types_apart() -> None:
-    from ratekeeper._keys import KEY_CACHE_SIZE, KeyBuilder
+    from ratekeeper._engine.keys import KEY_CACHE_SIZE, KeyBuilder
 
     builder = KeyBuilder("kc")
     short = builder.keys("p", "alice", ("log",))

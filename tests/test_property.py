@@ -55,9 +55,9 @@ from ratekeeper._algorithms import (
     get_algorithm,
 )
 from ratekeeper._algorithms.concurrency import _Leases
-from ratekeeper._keys import Identity, identity_bytes
-from ratekeeper._keyspace import Keyspace
-from ratekeeper._scripts import load_script
+from ratekeeper._algorithms.keyspace import Keyspace
+from ratekeeper._algorithms.scripts import load_script
+from ratekeeper._engine.keys import Identity, identity_bytes
 
 from .clocks import ExactClock
 from .servers import RedisServer

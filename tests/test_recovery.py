@@ -24,7 +24,7 @@ from ratekeeper import (
     StorageUnavailable,
 )
 from ratekeeper._algorithms import get_algorithm
-from ratekeeper._scripts import load_script
+from ratekeeper._algorithms.scripts import load_script
 from ratekeeper._storage.redis._compat import get_connection
 
 from .seams import flush_after_every_load

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 from ratekeeper import CircuitBreaker, Limiter, ManualClock, Policy
-from ratekeeper._keys import Identity
+from ratekeeper._engine.keys import Identity
 
 from .figures import record
 from .servers import free_port

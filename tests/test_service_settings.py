@@ -15,7 +15,7 @@ import grpc
 import httpx
 import pytest
 
-from ratekeeper._errors import ConfigError
+from ratekeeper._model.errors import ConfigError
 from ratekeeper._storage.redis._config import plan
 from ratekeeper.cli._main import main
 from ratekeeper.service._settings import go_duration, upstream_settings

@@ -1,4 +1,4 @@
-"""Top offenders (``ratekeeper._top``): each limiter counts whom it denies in a bounded
+"""Top offenders (``ratekeeper._engine.top``): each limiter counts whom it denies in a bounded
 summary and merges it into the store; ``Limiter.top`` and ``ratekeeper top`` read the fleet's
 list. The store script is held to its Python reference on real servers, the summary to its
 error bound, the store's memory to its bound, and the counts of several processes add up.
@@ -20,9 +20,9 @@ import pytest
 import redis
 
 from ratekeeper import AsyncLimiter, ConfigError, Limiter, ManualClock, Policy
-from ratekeeper._keyspace import Keyspace
+from ratekeeper._algorithms.keyspace import Keyspace
+from ratekeeper._engine.top import KEPT_FACTOR, RETENTION, TopOffenders, _Summary
 from ratekeeper._storage.memory import MemoryStorage
-from ratekeeper._top import KEPT_FACTOR, RETENTION, TopOffenders, _Summary
 
 from .servers import RedisServer
 

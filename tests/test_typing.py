@@ -13,7 +13,7 @@ from typing import get_args
 
 from ratekeeper import Algorithm, FailureMode
 from ratekeeper._algorithms import ALGORITHMS
-from ratekeeper._policy import FAILURE_MODES
+from ratekeeper._algorithms.policy import FAILURE_MODES
 
 #: A user's file with one mistake a line from line 4, then one that is right.
 BAD = """\
@@ -58,7 +58,7 @@ import redis
 import redis.asyncio
 
 from ratekeeper import AsyncLimiter, CircuitBreaker, FailureMode, Limiter, ManualClock, Policy
-from ratekeeper._fleet import AutoShare
+from ratekeeper import AutoShare
 from ratekeeper._storage import open_sync
 from ratekeeper.metrics import Metrics
 from ratekeeper.typing import Algorithm

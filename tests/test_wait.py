@@ -33,7 +33,7 @@ from ratekeeper import (
     RateLimited,
     testing,
 )
-from ratekeeper._wait import (
+from ratekeeper._limiters.wait import (
     JITTER,
     MAX_JITTER,
     MIN_SLEEP,

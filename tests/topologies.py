@@ -45,7 +45,7 @@ from redis.crc import key_slot
 from redis.retry import Retry
 
 from ratekeeper import AsyncLimiter, BreakerState, Decision, Limiter, Policy
-from ratekeeper._keys import Identity
+from ratekeeper._engine.keys import Identity
 from ratekeeper.metrics import Metrics
 
 from .processes import stop_process

@@ -18,7 +18,7 @@ from typing import Any
 import redis
 
 from ratekeeper import AsyncLimiter, Limiter, Policy
-from ratekeeper._breaker import CircuitBreaker
+from ratekeeper._engine.breaker import CircuitBreaker
 
 #: Seconds a worker waits for the others at the start line before giving up.
 BARRIER_TIMEOUT = 60.0

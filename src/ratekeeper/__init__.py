@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
-from ._breaker import BreakerState, CircuitBreaker
-from ._clock import Clock, ManualClock
-from ._decision import Decision
-from ._errors import (
+from ._algorithms.policy import Policy
+from ._engine.breaker import BreakerState, CircuitBreaker
+from ._limiters.lease import AsyncLease, Lease
+from ._limiters.limiter import AsyncLimiter, Limiter
+from ._limiters.reservation import AsyncReservation, Reservation
+from ._model.clock import Clock, ManualClock
+from ._model.decision import Decision
+from ._model.errors import (
     ConfigError,
     RatekeeperError,
     RateLimited,
@@ -17,14 +21,9 @@ from ._errors import (
     StorageTimeout,
     StorageUnavailable,
 )
-from ._fleet import AutoShare
-from ._lease import AsyncLease, Lease
-from ._limiter import AsyncLimiter, Limiter
-from ._policy import Policy
-from ._rates import Rate, parse_rates
-from ._reservation import AsyncReservation, Reservation
+from ._model.options import Algorithm, AutoShare, FailureMode
+from ._model.rates import Rate, parse_rates
 from ._version import __version__
-from .typing import Algorithm, FailureMode
 
 __all__ = [
     "Algorithm",

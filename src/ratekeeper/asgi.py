@@ -23,7 +23,6 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable, Iterable, MutableMapping
 from typing import TYPE_CHECKING, Any
 
-from ._decision import Decision
 from ._http import (
     COST_KEY,
     SHOWN_KEY,
@@ -38,8 +37,9 @@ from ._http import (
     shown_headers,
 )
 from ._http._middleware import EndpointOptions, Middleware, endpoint_limiting
-from ._limiter import AsyncLimiter
-from ._request import LazyHeaders, Request
+from ._http._request import LazyHeaders, Request
+from ._limiters.limiter import AsyncLimiter
+from ._model.decision import Decision
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack

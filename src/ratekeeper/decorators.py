@@ -26,12 +26,12 @@ import inspect
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar, cast
 
-from ._core import _check_cost
-from ._errors import ConfigError
-from ._keys import Identity
-from ._limiter import AsyncLimiter, Limiter
-from ._policy import Policy
-from ._wait import timeout_of
+from ._algorithms.policy import Policy
+from ._engine.core import _check_cost
+from ._engine.keys import Identity
+from ._limiters.limiter import AsyncLimiter, Limiter
+from ._limiters.wait import timeout_of
+from ._model.errors import ConfigError
 
 __all__ = ["limit"]
 

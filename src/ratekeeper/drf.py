@@ -22,8 +22,8 @@ from typing import TYPE_CHECKING, Any
 from rest_framework.settings import api_settings
 from rest_framework.throttling import BaseThrottle
 
-from ._decision import Decision
 from ._http import anonymous_identity
+from ._model.decision import Decision
 from .django._settings import SettingsError, current, policy_for_rate, request_view
 
 if TYPE_CHECKING:

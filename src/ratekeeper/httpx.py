@@ -42,14 +42,14 @@ from typing import Generic, TypeVar
 
 import httpx
 
-from ._core import _check_cost, check_actual
-from ._decision import Decision
-from ._errors import ConfigError
-from ._keys import Identity
-from ._limiter import AsyncLimiter, Limiter
-from ._policy import Policy
-from ._reservation import AsyncReservation, Reservation
-from ._wait import timeout_of, wait_async, wait_sync
+from ._algorithms.policy import Policy
+from ._engine.core import _check_cost, check_actual
+from ._engine.keys import Identity
+from ._limiters.limiter import AsyncLimiter, Limiter
+from ._limiters.reservation import AsyncReservation, Reservation
+from ._limiters.wait import timeout_of, wait_async, wait_sync
+from ._model.decision import Decision
+from ._model.errors import ConfigError
 
 __all__ = ["UNSENT", "AsyncRateLimitedTransport", "RateLimitedTransport", "host_key"]
 

@@ -20,15 +20,15 @@ True
 
 from __future__ import annotations
 
-from ._breaker import BreakerState
-from ._clock import ManualClock
-from ._decision import Decision
-from ._errors import StorageError, StorageUnavailable
-from ._policy import Policy
-from ._rates import Rate, parse_rates
-from ._scripts import Script
+from ._algorithms.policy import Policy
+from ._algorithms.scripts import Script
+from ._engine.breaker import BreakerState
+from ._engine.metrics import Metrics
+from ._model.clock import ManualClock
+from ._model.decision import Decision
+from ._model.errors import StorageError, StorageUnavailable
+from ._model.rates import Rate, parse_rates
 from ._storage.memory import AsyncMemoryStorage, MemoryStorage
-from .metrics import Metrics
 
 __all__ = ["AsyncFlakyStorage", "FlakyStorage", "ManualClock", "RecordingMetrics", "decision"]
 

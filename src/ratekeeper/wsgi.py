@@ -37,8 +37,8 @@ from ._http import (
     shown_headers,
 )
 from ._http._middleware import EndpointOptions, Middleware, endpoint_limiting
-from ._limiter import Limiter
-from ._request import LazyHeaders, Request
+from ._http._request import LazyHeaders, Request
+from ._limiters.limiter import Limiter
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack

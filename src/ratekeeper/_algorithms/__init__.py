@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from .._errors import ConfigError
+from .._model.errors import ConfigError
 from . import concurrency, fixed_window, gcra, sliding_log, sliding_window
 from ._base import (
     CHARGE,

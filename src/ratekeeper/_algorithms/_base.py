@@ -1,6 +1,6 @@
 """What every algorithm shares: the call format, decoded arguments, the Algorithm record.
 
-Each algorithm exists twice: as a Lua script (``ratekeeper/lua/<name>.lua``) that Redis runs
+Each algorithm exists twice: as a Lua script (``lua/<name>.lua`` beside it) that Redis runs
 atomically, and as a pure-Python reference that the memory backend runs and the property tests
 compare against the script. Both take the same KEYS and ARGV and return the same reply.
 
@@ -47,11 +47,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
-from .._errors import ConfigError
-from .._keyspace import Keyspace
+from .._model.errors import ConfigError
+from .keyspace import Keyspace
 
 if TYPE_CHECKING:
-    from .._policy import Policy
+    from .policy import Policy
 
 __all__ = [
     "CHARGE",

@@ -19,12 +19,12 @@ from __future__ import annotations
 from bisect import bisect_right, insort_right
 from typing import TYPE_CHECKING
 
-from .._errors import ConfigError
-from .._keyspace import Keyspace
+from .._model.errors import ConfigError
 from ._base import HIT, RELEASE, RETRY_NEVER, RETRY_NONE, Algorithm, Args, Reply
+from .keyspace import Keyspace
 
 if TYPE_CHECKING:
-    from .._policy import Policy
+    from .policy import Policy
 
 #: Leases one identity may hold at once at most: each is a sorted-set member.
 MAX_LEASES = 100_000

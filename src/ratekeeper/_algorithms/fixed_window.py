@@ -20,7 +20,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from .._keyspace import Keyspace
 from ._base import (
     CHARGE,
     MAX_COUNTER_LIMIT,
@@ -34,9 +33,10 @@ from ._base import (
     Reply,
     check_limits,
 )
+from .keyspace import Keyspace
 
 if TYPE_CHECKING:
-    from .._policy import Policy
+    from .policy import Policy
 
 
 def validate(policy: Policy) -> None:

@@ -1,7 +1,7 @@
 """The fleet heartbeat's reference: what ``lua/fleet.lua`` does, for the memory backend.
 
 Not a rate algorithm (no policy names it): the ``local_share="auto"`` heartbeat of
-``ratekeeper._fleet``. The fleet key holds ``{instance id: expiry}`` (microseconds); a
+``ratekeeper._engine.fleet``. The fleet key holds ``{instance id: expiry}`` (microseconds); a
 heartbeat stamps ARGV 4 (the id) with ``now + ttl`` (ARGV 7), drops the members whose expiry
 is at or before ``now``, keeps the key for the longest membership left plus the margin and
 returns ``[count]``.
@@ -10,8 +10,8 @@ No deliberate differences from the script.
 
 from __future__ import annotations
 
-from .._keyspace import Keyspace
 from ._base import Args, Reply
+from .keyspace import Keyspace
 
 __all__ = ["SCRIPT", "reference"]
 

@@ -20,9 +20,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from .._errors import ConfigError
-from .._keyspace import Keyspace
-from .._rates import MAX_INT, MAX_SPAN_US
+from .._model.errors import ConfigError
+from .._model.rates import MAX_INT, MAX_SPAN_US
 from ._base import (
     CHARGE,
     RESERVE,
@@ -34,9 +33,10 @@ from ._base import (
     Reply,
     check_limits,
 )
+from .keyspace import Keyspace
 
 if TYPE_CHECKING:
-    from .._policy import Policy
+    from .policy import Policy
 
 #: B * W_ms must stay below this so that every intermediate value is exact in a Lua double.
 _MAX_PRODUCT = 2**52

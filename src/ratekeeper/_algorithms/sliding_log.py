@@ -22,11 +22,11 @@ from __future__ import annotations
 from bisect import bisect_right
 from typing import TYPE_CHECKING
 
-from .._errors import ConfigError
-from .._keyspace import Keyspace
+from .._model.errors import ConfigError
+from .keyspace import Keyspace
 
 if TYPE_CHECKING:
-    from .._policy import Policy
+    from .policy import Policy
 
 from ._base import REFUND, RESERVE, RETRY_NEVER, RETRY_NONE, SETTLES, Algorithm, Args, Reply
 

@@ -23,9 +23,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from .._errors import ConfigError
-from .._keyspace import Keyspace
-from .._rates import MAX_INT
+from .._model.errors import ConfigError
+from .._model.rates import MAX_INT
 from ._base import (
     CHARGE,
     REFUND,
@@ -38,9 +37,10 @@ from ._base import (
     Reply,
     check_limits,
 )
+from .keyspace import Keyspace
 
 if TYPE_CHECKING:
-    from .._policy import Policy
+    from .policy import Policy
 
 
 def validate(policy: Policy) -> None:

@@ -1,7 +1,7 @@
 """The top offenders' store script's reference: what ``lua/top.lua`` does, for the memory
 backend.
 
-Not a rate algorithm (no policy names it): the merge and the read of ``ratekeeper._top``. A
+Not a rate algorithm (no policy names it): the merge and the read of ``ratekeeper._engine.top``. A
 minute's sorted set is a dict identity -> count here, its total an int. The script's ARGV
 mixes identities (strings) with numbers, so this reference reads the raw ARGV rather than the
 decoded layout of the algorithms. No deliberate differences from the script.
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from .._keyspace import Keyspace
+from .keyspace import Keyspace
 
 __all__ = ["MERGE", "READ", "SCRIPT", "reference"]
 

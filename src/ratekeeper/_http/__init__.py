@@ -20,18 +20,17 @@ A request is handled in two steps:
 3. with ``reported_cost``, ``finish(admission, response, stored)`` settles the reported cost
    when the last chunk of the body is ready (``_streams`` wraps a body so).
 
-Its rooms: ``_base`` (the vocabulary: choices, constants), ``_rules`` (which requests a policy
+Its modules: ``_base`` (the vocabulary: choices, constants), ``_rules`` (which requests a policy
 applies to), ``_render`` (headers and 429 bodies), ``_limiting`` (the decision for a request,
 no I/O), ``_steps`` (what it yields and returns), ``_drivers`` (running it, blocking or
 asyncio), ``_streams`` (bodies that settle before their last chunk), ``_middleware`` (what the
 ASGI and WSGI middlewares share), ``_nested`` (several limiters on one request: a decorator
 or dependency behind a middleware, one set of headers) and ``_workers`` (``memory://`` under
-several workers). The request view is ``ratekeeper._request``.
+several workers). The request view is ``ratekeeper._http._request``.
 """
 
 from __future__ import annotations
 
-from .._request import KeyFunc, LazyHeaders, Request
 from ._base import (
     COST_KEY,
     STATE_KEY,
@@ -58,6 +57,7 @@ from ._render import (
     rate_limit_headers,
     response_headers,
 )
+from ._request import KeyFunc, LazyHeaders, Request
 from ._rules import Rule, anonymous_identity, is_preflight, make_rules, match_rule
 from ._steps import Admission, Charge, Settle, Steps, StoreCall
 from ._streams import LastChunk, last_chunk_async

@@ -9,9 +9,9 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
-from .._decision import Decision
-from .._policy import Policy
-from .._request import Request
+from .._algorithms.policy import Policy
+from .._model.decision import Decision
+from ._request import Request
 
 if TYPE_CHECKING:
     pass

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 from ._steps import Settle, Steps, StoreCall
 
 if TYPE_CHECKING:
-    from .._limiter import AsyncLimiter, Limiter
+    from .._limiters.limiter import AsyncLimiter, Limiter
 
 __all__ = ["drive_async", "drive_blocking", "drive_sync"]
 

@@ -9,11 +9,9 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
-from .._decision import Decision
-from .._errors import ConfigError
-from .._policy import Policy
-from .._request import Request
-from ..identity import client_ip
+from .._algorithms.policy import Policy
+from .._model.decision import Decision
+from .._model.errors import ConfigError
 from ._base import (
     MISSING_IDENTITY,
     PREFLIGHT,
@@ -25,6 +23,7 @@ from ._base import (
     Preflight,
     _is_async,
 )
+from ._identity import client_ip
 from ._render import (
     default_denied,
     merge_headers,
@@ -32,6 +31,7 @@ from ._render import (
     response_headers,
     with_length,
 )
+from ._request import Request
 from ._rules import Rule, anonymous_identity, is_preflight, make_rules
 from ._steps import Admission, Charge, Settle, Steps, StoreCall
 

@@ -15,9 +15,9 @@ import re
 from collections.abc import Iterable, MutableMapping
 from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypedDict, TypeVar
 
-from .._decision import Decision
-from .._errors import ConfigError
-from .._policy import Policy
+from .._algorithms.policy import Policy
+from .._model.decision import Decision
+from .._model.errors import ConfigError
 from ._base import (
     CostChoice,
     DeductWhen,
@@ -36,7 +36,7 @@ from ._workers import warn_memory_under_workers
 if TYPE_CHECKING:
     from typing_extensions import Unpack
 
-    from .._limiter import AsyncLimiter, Limiter
+    from .._limiters.limiter import AsyncLimiter, Limiter
 
 __all__ = ["EndpointOptions", "Middleware", "MiddlewareOptions", "endpoint_limiting"]
 

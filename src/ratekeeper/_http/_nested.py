@@ -22,7 +22,7 @@ from collections.abc import MutableMapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .._decision import Decision
+from .._model.decision import Decision
 from ._base import STATE_KEY
 from ._render import response_headers
 

@@ -8,9 +8,9 @@ import math
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from .._decision import Decision
-from .._request import Request
+from .._model.decision import Decision
 from ._base import MISSING_IDENTITY_DETAIL
+from ._request import Request
 
 if TYPE_CHECKING:
     pass

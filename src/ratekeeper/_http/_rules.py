@@ -10,10 +10,10 @@ from dataclasses import dataclass
 from fnmatch import fnmatchcase
 from typing import TYPE_CHECKING, Any
 
-from .._errors import ConfigError
-from .._policy import Policy
-from .._request import Request
+from .._algorithms.policy import Policy
+from .._model.errors import ConfigError
 from ._base import CostChoice, DeductWhen, KeyChoice, PolicyChoice, ReportedCost, _is_async
+from ._request import Request
 
 if TYPE_CHECKING:
     pass

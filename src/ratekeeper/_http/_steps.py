@@ -8,8 +8,8 @@ from collections.abc import Awaitable, Generator
 from dataclasses import dataclass
 from typing import Any
 
-from .._decision import Decision
-from .._policy import Policy
+from .._algorithms.policy import Policy
+from .._model.decision import Decision
 from ._base import DeductWhen, ReportedCost
 
 __all__ = ["Admission", "Charge", "Settle", "Step", "Steps", "StoreCall"]

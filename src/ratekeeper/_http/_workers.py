@@ -10,7 +10,7 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from .._limiter import AsyncLimiter, Limiter
+    from .._limiters.limiter import AsyncLimiter, Limiter
 
 
 # --- memory:// under several workers -----------------------------------------------------------

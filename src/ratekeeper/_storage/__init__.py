@@ -13,8 +13,8 @@ from __future__ import annotations
 from typing import Any
 from urllib.parse import urlsplit
 
-from .._clock import Clock, system_clock
-from .._errors import ConfigError
+from .._model.clock import Clock, system_clock
+from .._model.errors import ConfigError
 from .base import AsyncStorage, SyncStorage
 from .memory import AsyncMemoryStorage, MemoryStorage
 

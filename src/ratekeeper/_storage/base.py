@@ -6,7 +6,7 @@ import re
 from contextvars import ContextVar
 from typing import Protocol
 
-from .._scripts import Script
+from .._algorithms.scripts import Script
 
 __all__ = ["ROUND_TRIP", "AsyncStorage", "RoundTrip", "SyncStorage", "redact"]
 

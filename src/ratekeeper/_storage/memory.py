@@ -9,9 +9,9 @@ from __future__ import annotations
 import threading
 
 from .._algorithms import ALGORITHMS, decode_args, fleet, top
-from .._clock import Clock, system_clock
-from .._keyspace import Keyspace
-from .._scripts import Script
+from .._algorithms.keyspace import Keyspace
+from .._algorithms.scripts import Script
+from .._model.clock import Clock, system_clock
 
 __all__ = ["AsyncMemoryStorage", "MemoryStorage"]
 

@@ -11,7 +11,13 @@ from typing import Any, TypeVar, cast
 import click
 from rich.console import Console
 
-from .._admin import (
+from .._algorithms.policy import Policy
+from .._engine.keys import DEFAULT_KEY_PREFIX
+from .._limiters.limiter import Limiter
+from .._model.errors import ConfigError
+from .._model.options import Algorithm
+from .._model.rates import MAX_INT
+from ._admin_ops import (
     ADMIN_ALGORITHMS,
     DEFAULT_TIMEOUT,
     EXIT_ALLOWED,
@@ -28,14 +34,8 @@ from .._admin import (
     render_keys,
     render_reset,
 )
-from .._admin import reset as reset_identities
-from .._bench import BENCH_ALGORITHMS, redact
-from .._errors import ConfigError
-from .._keys import DEFAULT_KEY_PREFIX
-from .._limiter import Limiter
-from .._policy import Policy
-from .._rates import MAX_INT
-from ..typing import Algorithm
+from ._admin_ops import reset as reset_identities
+from ._bench_ops import BENCH_ALGORITHMS, redact
 from ._main import main
 from ._options import (
     STORAGE_ENV,

@@ -8,11 +8,11 @@ from typing import cast
 import click
 from rich.console import Console
 
-from .._bench import BENCH_ALGORITHMS, MODES, BenchConfig, render, run_bench
-from .._errors import ConfigError, RatekeeperError
-from .._policy import Policy
-from .._rates import MAX_INT
-from ..typing import Algorithm
+from .._algorithms.policy import Policy
+from .._model.errors import ConfigError, RatekeeperError
+from .._model.options import Algorithm
+from .._model.rates import MAX_INT
+from ._bench_ops import BENCH_ALGORITHMS, MODES, BenchConfig, render, run_bench
 from ._main import main
 from ._options import (
     STORAGE_ENV,

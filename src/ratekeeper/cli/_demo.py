@@ -5,7 +5,7 @@ from __future__ import annotations
 import click
 from rich.console import Console
 
-from .._errors import RatekeeperError
+from .._model.errors import RatekeeperError
 from ._main import main
 from ._options import STORAGE_ENV, STORAGE_HELP, option, rates_option
 
@@ -54,7 +54,7 @@ def demo(
     if serve:
         _serve(storage, host, port)
         return
-    from .._demo import run_demo
+    from ._demo_ops import run_demo
 
     try:
         run_demo(storage, rates, algorithm, duration, Console())
@@ -69,7 +69,7 @@ def _serve(storage: str, host: str, port: int) -> None:
         raise click.ClickException(
             "demo --serve needs uvicorn: pip install 'ratekeeper[web]'"
         ) from None
-    from .._demo_app import API, SEARCH, build_app
+    from ._demo_app import API, SEARCH, build_app
 
     try:
         app = build_app(storage)

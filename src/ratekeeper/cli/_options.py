@@ -8,12 +8,12 @@ from typing import Any, TypeVar
 
 import click
 
-from .._admin import (
+from .._model.errors import ConfigError, RatekeeperError, StorageError, StorageTimeout
+from .._model.rates import parse_rates
+from ._admin_ops import (
     EXIT_STORE_FAILED,
 )
-from .._bench import redact
-from .._errors import ConfigError, RatekeeperError, StorageError, StorageTimeout
-from .._rates import parse_rates
+from ._bench_ops import redact
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 

@@ -7,9 +7,9 @@ from typing import cast
 
 import click
 
-from .._errors import ConfigError
-from .._keys import DEFAULT_KEY_PREFIX
-from ..typing import FailureMode
+from .._engine.keys import DEFAULT_KEY_PREFIX
+from .._model.errors import ConfigError
+from .._model.options import FailureMode
 from ._main import main
 from ._options import STORAGE_ENV, STORAGE_HELP, is_memory, option
 from ._serve_options import ServeCommand, check_key, grpc_tls_of, header_option

@@ -10,7 +10,7 @@ from typing import Any, TypeVar
 
 import click
 
-from .._errors import ConfigError
+from .._model.errors import ConfigError
 from ._options import option
 
 __all__ = ["ServeCommand", "check_key", "grpc_tls_of", "header_option"]

@@ -12,12 +12,12 @@ from rich.console import Console, Group
 from rich.live import Live
 from rich.table import Table
 
-from .._admin import DEFAULT_TIMEOUT, open_limiter
-from .._bench import redact
-from .._errors import ConfigError, StorageError
-from .._keys import DEFAULT_KEY_PREFIX
-from .._limiter import Limiter
-from .._top import RETENTION, Offenders
+from .._engine.keys import DEFAULT_KEY_PREFIX
+from .._engine.top import RETENTION, Offenders
+from .._limiters.limiter import Limiter
+from .._model.errors import ConfigError, StorageError
+from ._admin_ops import DEFAULT_TIMEOUT, open_limiter
+from ._bench_ops import redact
 from ._main import main
 from ._options import (
     STORAGE_ENV,
@@ -121,7 +121,7 @@ def top(
     """Show the identities each --policy denied most across every limiter on the store.
 
     Each limiter merges the identities it denied into the store every few seconds; the counts
-    are within the stated error of the true counts (``ratekeeper._top``). With --json, a list
+    are within the stated error of the true counts (``ratekeeper._engine.top``). With --json, a list
     of objects per policy: policy, since, total, error, offenders (identity, denied).
     """
     seconds = _since(since)

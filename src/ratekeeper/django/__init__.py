@@ -32,8 +32,7 @@ from django.core.exceptions import ImproperlyConfigured
 from django.core.handlers.wsgi import WSGIRequest
 from django.http import HttpRequest, HttpResponse, HttpResponseBase, StreamingHttpResponse
 
-from .._decision import Decision
-from .._errors import ConfigError
+from .._algorithms.policy import Policy
 from .._http import (
     Admission,
     LastChunk,
@@ -49,8 +48,9 @@ from .._http import (
     shown_headers,
     warn_memory_under_workers,
 )
-from .._limiter import Limiter
-from .._policy import Policy
+from .._limiters.limiter import Limiter
+from .._model.decision import Decision
+from .._model.errors import ConfigError
 from . import checks as checks
 from ._settings import (
     Config,

@@ -21,11 +21,11 @@ from django.core.signals import setting_changed
 from django.http import HttpRequest
 from django.utils.module_loading import import_string
 
-from .._errors import ConfigError
+from .._algorithms.policy import Policy
 from .._http import KeyFunc, Limiting, Request, Rule, _is_async
-from .._limiter import AsyncLimiter, Limiter
-from .._opening import storage_url
-from .._policy import Policy
+from .._limiters.limiter import AsyncLimiter, Limiter
+from .._limiters.options import storage_url
+from .._model.errors import ConfigError
 from ..identity import client_ip, header
 
 __all__ = [

@@ -1,7 +1,7 @@
 """``ratekeeper serve``: the Envoy rate limit service (gRPC v3) and an HTTP JSON API over
 ``AsyncLimiter``, configured by envoyproxy/ratelimit's YAML.
 
-Its rooms: ``_config`` (the rules and how descriptors find theirs), ``_loader`` (YAML files into
+Its modules: ``_config`` (the rules and how descriptors find theirs), ``_loader`` (YAML files into
 them) on ``_yaml_nodes`` (typed YAML nodes with their positions), ``_reload`` (watching the
 files), ``_decide`` (a request's descriptors to store calls and back), ``_tokens`` (the signed
 reservation tokens of ``/reserve`` and ``/settle``), ``_server`` (gRPC and HTTP), ``_web`` (the

@@ -11,8 +11,8 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from .._decision import Decision
-from .._rates import Rate
+from .._model.decision import Decision
+from .._model.rates import Rate
 from ._config import LimitRule
 from .rls_pb2 import RateLimitDescriptor, RateLimitRequest, RateLimitResponse
 

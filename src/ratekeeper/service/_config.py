@@ -49,9 +49,9 @@ from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Final
 
 from .._algorithms import ALGORITHMS
-from .._errors import ConfigError
-from .._policy import Policy
-from .._rates import Rate
+from .._algorithms.policy import Policy
+from .._model.errors import ConfigError
+from .._model.rates import Rate
 
 if TYPE_CHECKING:
     pass

@@ -37,13 +37,13 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 
-from .._decision import Decision
-from .._errors import ConfigError, StorageError
+from .._algorithms.policy import Policy
 from .._http import response_headers
-from .._limiter import AsyncLimiter
-from .._policy import Policy
-from .._rates import MAX_INT, Rate
-from .._reservation import AsyncReservation
+from .._limiters.limiter import AsyncLimiter
+from .._limiters.reservation import AsyncReservation
+from .._model.decision import Decision
+from .._model.errors import ConfigError, StorageError
+from .._model.rates import MAX_INT, Rate
 from ._answer import (
     UNLIMITED_REMAINING,
     BadRequest,

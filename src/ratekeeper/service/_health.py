@@ -16,10 +16,10 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
-from .._errors import StorageError
-from .._limiter import AsyncLimiter
-from .._policy import Policy
-from .._rates import Rate
+from .._algorithms.policy import Policy
+from .._limiters.limiter import AsyncLimiter
+from .._model.errors import StorageError
+from .._model.rates import Rate
 from ._config import rule_policy_name
 
 __all__ = ["STOPPING", "STORE", "Health"]

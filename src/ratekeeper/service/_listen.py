@@ -21,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from .._errors import ConfigError
+from .._model.errors import ConfigError
 
 __all__ = ["GrpcTls", "client_san_interceptor", "grpc_target"]
 

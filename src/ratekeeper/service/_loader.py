@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, cast
 import yaml
 from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
 
-from .._errors import ConfigError
+from .._model.errors import ConfigError
 from ._config import (
     MAX_NODES,
     ConfigFileError,

@@ -48,9 +48,9 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from .._decision import Decision
-from .._errors import StorageError
-from ..metrics import PrometheusMetrics
+from .._engine.metrics import PrometheusMetrics
+from .._model.decision import Decision
+from .._model.errors import StorageError
 from ._config import LimitRule
 from ._tokens import TokenRefused
 from ._upstream import (

@@ -22,7 +22,7 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
-from .._errors import ConfigError
+from .._model.errors import ConfigError
 from ._config import ServiceConfig
 from ._loader import load_config
 

@@ -11,9 +11,9 @@ from typing import TYPE_CHECKING, Any, cast
 
 from yaml.nodes import Node, ScalarNode
 
-from .._errors import ConfigError
-from .._policy import Policy
-from .._rates import Rate
+from .._algorithms.policy import Policy
+from .._model.errors import ConfigError
+from .._model.rates import Rate
 from ._config import (
     DEFAULT_ALGORITHM,
     MAX_REQUESTS_PER_UNIT,
@@ -27,7 +27,7 @@ from ._config import (
 from ._yaml_nodes import NULL, Nodes
 
 if TYPE_CHECKING:
-    from ..typing import Algorithm
+    from .._model.options import Algorithm
 
 __all__ = ["RATE_LIMIT_EXTENSIONS", "RATE_LIMIT_KEYS", "Domain", "RuleNodes"]
 

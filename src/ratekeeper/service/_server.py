@@ -35,9 +35,9 @@ from typing import Any
 
 from google.protobuf.message import DecodeError
 
-from .._errors import ConfigError, StorageError
-from .._limiter import AsyncLimiter
-from ..typing import FailureMode
+from .._limiters.limiter import AsyncLimiter
+from .._model.errors import ConfigError, StorageError
+from .._model.options import FailureMode
 from ._config import ServiceConfig
 from ._decide import DEFAULT_LIMIT_HEADERS, BadRequest, Decider
 from ._health import STOPPING, Health

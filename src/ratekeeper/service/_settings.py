@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import quote, urlencode
 
-from .._errors import ConfigError
+from .._model.errors import ConfigError
 
 __all__ = ["DEFAULT_CONFIG", "LOG_LEVELS", "UpstreamSettings", "go_duration", "upstream_settings"]
 

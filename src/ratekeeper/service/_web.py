@@ -27,8 +27,8 @@ from typing import Any
 
 from google.protobuf import json_format
 
-from .._errors import StorageError
-from .._rates import MAX_INT
+from .._model.errors import StorageError
+from .._model.rates import MAX_INT
 from ..asgi import answer_lifespan
 from ._decide import BadRequest, Decider
 from ._health import Health

@@ -33,7 +33,7 @@ try:
     import hiredis  # noqa: F401
     import redis  # noqa: F401
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
-    from ..._errors import ConfigError
+    from ..._model.errors import ConfigError
 
     raise ConfigError(
         "Redis support needs the 'redis' extra: pip install 'ratekeeper[redis]'"

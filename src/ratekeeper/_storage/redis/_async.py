@@ -30,8 +30,8 @@ from typing import Any
 import redis.asyncio
 import redis.asyncio.cluster
 
-from ..._errors import StorageError
-from ..._scripts import Script
+from ..._algorithms.scripts import Script
+from ..._model.errors import StorageError
 from ..base import ROUND_TRIP
 from ._batch import Batcher, Pending
 from ._command import arun_command_path

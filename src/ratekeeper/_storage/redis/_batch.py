@@ -29,8 +29,8 @@ import asyncio
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from ..._errors import StorageError, StorageTimeout
-from ..._scripts import Script
+from ..._algorithms.scripts import Script
+from ..._model.errors import StorageError, StorageTimeout
 from ._exchange import Exchange
 
 __all__ = ["MAX_BATCH", "Batcher", "Pending"]

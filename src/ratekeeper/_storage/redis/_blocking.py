@@ -38,7 +38,7 @@ from typing import Any
 
 import redis
 
-from ..._scripts import Script
+from ..._algorithms.scripts import Script
 from ..base import ROUND_TRIP
 from ._compat import get_connection
 from ._errors import CLIENT_ERRORS, IO_ERRORS, translate

@@ -24,7 +24,7 @@ import redis
 import redis.asyncio
 import redis.utils
 
-from ..._errors import ConfigError
+from ..._model.errors import ConfigError
 
 __all__ = [
     "CLUSTER_OPTIONS",

@@ -32,7 +32,7 @@ from redis.backoff import NoBackoff
 from redis.exceptions import ClusterDownError, SlotNotCoveredError
 from redis.retry import Retry
 
-from ..._errors import ConfigError
+from ..._model.errors import ConfigError
 from ..base import redact
 from ._compat import CLUSTER_OPTIONS
 from ._errors import CLIENT_ERRORS

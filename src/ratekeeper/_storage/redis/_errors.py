@@ -28,7 +28,7 @@ from redis.exceptions import (
     TryAgainError,
 )
 
-from ..._errors import (
+from ..._model.errors import (
     RequestRejected,
     StorageError,
     StorageFull,

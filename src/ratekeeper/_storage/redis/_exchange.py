@@ -36,8 +36,8 @@ from typing import Any
 
 from redis.exceptions import NoScriptError, ResponseError
 
-from ..._errors import RequestRejected, StorageError
-from ..._scripts import Script
+from ..._algorithms.scripts import Script
+from ..._model.errors import RequestRejected, StorageError
 from ._errors import TIMEOUTS, as_broken, as_timeout, translate
 
 __all__ = ["DONE", "RECONNECT", "SEND", "Exchange"]

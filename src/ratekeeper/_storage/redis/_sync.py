@@ -16,8 +16,8 @@ from typing import Any
 
 import redis.cluster
 
-from ..._errors import RequestRejected, StorageError
-from ..._scripts import Script
+from ..._algorithms.scripts import Script
+from ..._model.errors import RequestRejected, StorageError
 from ..base import ROUND_TRIP
 from ._blocking import BlockingTransport, can_keep
 from ._command import run_command_path

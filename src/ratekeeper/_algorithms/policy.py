@@ -7,10 +7,10 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import get_args
 
-from ._algorithms import get_algorithm
-from ._errors import ConfigError
-from ._rates import MAX_INT, Rate, parse_rates
-from .typing import Algorithm, FailureMode
+from .._model.errors import ConfigError
+from .._model.options import Algorithm, FailureMode
+from .._model.rates import MAX_INT, Rate, parse_rates
+from . import get_algorithm
 
 __all__ = ["DEFAULT_MAX_LOG_ENTRIES", "FAILURE_MODES", "Policy"]
 

@@ -35,7 +35,7 @@ from collections.abc import Callable
 from enum import Enum
 from typing import Any
 
-from ._errors import ConfigError
+from .._model.errors import ConfigError
 
 __all__ = ["BreakerState", "CircuitBreaker"]
 

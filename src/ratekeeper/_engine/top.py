@@ -34,12 +34,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from hashlib import blake2b
 
-from ._algorithms import encode_args
-from ._algorithms.top import MERGE, READ
-from ._errors import ConfigError
-from ._keys import Identity, identity_bytes
-from ._policy import Policy
-from ._scripts import Script, load_script
+from .._algorithms import encode_args
+from .._algorithms.policy import Policy
+from .._algorithms.scripts import Script, load_script
+from .._algorithms.top import MERGE, READ
+from .._model.errors import ConfigError
+from .keys import Identity, identity_bytes
 
 __all__ = ["KEPT_FACTOR", "RETENTION", "Offender", "Offenders", "TopOffenders"]
 

@@ -28,7 +28,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from ._decision import Decision
+    from .decision import Decision
 
 __all__ = [
     "ConfigError",

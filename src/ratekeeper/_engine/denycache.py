@@ -13,7 +13,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable
 
-from ._decision import Decision, make_decision
+from .._model.decision import Decision, make_decision
 
 __all__ = ["DenyCache", "micros"]
 

@@ -7,7 +7,7 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from ._errors import ConfigError
+from .errors import ConfigError
 
 __all__ = ["MAX_INT", "MAX_SPAN_US", "Rate", "parse_rates"]
 

@@ -18,7 +18,7 @@ from functools import lru_cache
 from hashlib import blake2b
 from typing import Any
 
-from ._errors import ConfigError
+from .._model.errors import ConfigError
 
 __all__ = ["DEFAULT_KEY_PREFIX", "Identity", "KeyBuilder", "identity_bytes"]
 

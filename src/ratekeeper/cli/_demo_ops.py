@@ -14,11 +14,11 @@ from typing import cast
 from rich.console import Console
 from rich.table import Table
 
-from ._clock import ManualClock
-from ._decision import Decision
-from ._limiter import Limiter
-from ._policy import Policy
-from .typing import Algorithm
+from .._algorithms.policy import Policy
+from .._limiters.limiter import Limiter
+from .._model.clock import ManualClock
+from .._model.decision import Decision
+from .._model.options import Algorithm
 
 __all__ = ["CLIENTS", "ClientStats", "run_demo"]
 

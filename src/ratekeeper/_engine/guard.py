@@ -19,13 +19,11 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
-from ._algorithms import CONSUMES, REFUND, RELEASE, SETTLES
-from ._breaker import BreakerState, CircuitBreaker
-from ._clock import Clock
-from ._core import _TOKENS, Call, Core
-from ._decision import Decision
-from ._denycache import DenyCache, micros
-from ._errors import (
+from .._algorithms import CONSUMES, REFUND, RELEASE, SETTLES
+from .._algorithms.policy import FAILURE_MODES, Policy
+from .._model.clock import Clock
+from .._model.decision import Decision
+from .._model.errors import (
     ConfigError,
     RequestRejected,
     StorageError,
@@ -34,11 +32,14 @@ from ._errors import (
     StorageTimeout,
     StorageUnavailable,
 )
-from ._fleet import AutoShare, Fleet, check_local_share
-from ._policy import FAILURE_MODES, Policy
-from ._rates import Rate
-from ._storage.base import ROUND_TRIP
-from ._storage.memory import MemoryStorage
+from .._model.options import AutoShare, check_local_share
+from .._model.rates import Rate
+from .._storage.base import ROUND_TRIP
+from .breaker import BreakerState, CircuitBreaker
+from .core import _TOKENS, Call, Core
+from .denycache import DenyCache, micros
+from .fallback import LocalFallback
+from .fleet import Fleet
 from .metrics import Metrics
 
 __all__ = ["DEFAULT_DENY_CACHE_SIZE", "Guard"]
@@ -49,13 +50,6 @@ DEFAULT_DENY_CACHE_SIZE = 10_000
 #: Seconds a cached denial answers without asking the store again (``deny_cache_max_age``):
 #: a reset or a changed limit elsewhere reaches this process within this time.
 DEFAULT_DENY_CACHE_MAX_AGE = 1.0
-#: Keys the ``local`` failure mode keeps (least recently written evicted first): under a flood
-#: of rotated identities during an outage, the process grows by about 12 MB at most
-#: (tests/test_failure_modes.py measures 500,000 identities).
-LOCAL_MAX_KEYS = 10_000
-#: Scaled policies kept for the local fallback (one per policy and share; a fleet count
-#: that changes adds one).
-_MAX_LOCAL_POLICIES = 1024
 
 #: Algorithms whose retry_after is a lower bound of the true wait whatever other clients do
 #: (they can only add load), and exact when no one else hits the key. Concurrency leases can
@@ -161,9 +155,9 @@ class Guard:
         )
         #: The algorithms whose denials are cached here (none without a deny cache).
         self.cacheable = _CACHEABLE if self._deny is not None else frozenset()
-        self._local: MemoryStorage | None = None
-        self._local_policies: dict[tuple[Policy, float], Policy | None] = {}
         self._log = _Throttled()
+        #: The ``local`` failure mode's in-process limiter, made when first needed.
+        self.local: LocalFallback | None = None
         #: With ``local_share="auto"``: this limiter's heartbeats and the fleet count.
         self.fleet: Fleet | None = None
         if isinstance(share, AutoShare):
@@ -215,10 +209,6 @@ class Guard:
                 added(node)
             self._nodes[node] = breaker
             return breaker
-
-    def caches(self, policy: Policy) -> bool:
-        """Whether denials under ``policy`` may be cached (then ask ``cached`` first)."""
-        return policy.algorithm in self.cacheable
 
     def cached(self, key: str, cost: int = 1) -> Decision | None:
         """A cached denial of a hit of ``cost`` on ``key``, before any call is built; or
@@ -356,8 +346,8 @@ class Guard:
         """After a reset: drop cached denials of these keys, here and in the local fallback."""
         if self._deny is not None:
             self._deny.forget(keys)
-        if self._local is not None:
-            self._local.delete(keys)
+        if self.local is not None:
+            self.local.forget(keys)
 
     # -- failure modes -------------------------------------------------------------------
 
@@ -396,16 +386,14 @@ class Guard:
             wait = breaker.retry_after() or breaker.open_for
             decision = self._degraded(policy, rate, False, wait, f"{reason}/closed")
         else:
-            local = self._local_call(call)
+            if self.local is None:
+                self.local = LocalFallback(self.core, self.local_share, self.fleet)
+            local = self.local.decide(call)
             if local is None:  # no fleet count yet, or a share of 0: deny, as closed does
                 wait = breaker.retry_after() or breaker.open_for
                 decision = self._degraded(policy, rate, False, wait, f"{reason}/local")
             else:
-                assert self._local is not None
-                reply = self._local.run(local.script, local.keys, local.args)
-                decision = replace(
-                    self.core.decide(local, reply), degraded=True, reason=f"{reason}/local"
-                )
+                decision = replace(local, degraded=True, reason=f"{reason}/local")
         self._log.warn(
             reason,
             f"ratekeeper: the store could not decide ({reason}"
@@ -429,50 +417,6 @@ class Guard:
             rate=rate,
             degraded=True,
             reason=reason,
-        )
-
-    def _local_call(self, call: Call) -> Call | None:
-        """``call`` on the in-process limiter at this instance's share of each limit; None
-        when that share is nothing (an auto share with no fleet count yet, or a limit smaller
-        than the fleet)."""
-        if self._local is None:
-            self._local = MemoryStorage(max_keys=LOCAL_MAX_KEYS)
-        policy = call.policy
-        if self.fleet is None:
-            assert isinstance(self.local_share, float)
-            share: float = self.local_share
-        else:
-            count = self.fleet.count
-            if count is None:
-                return None
-            share = count
-        try:
-            local = self._local_policies[policy, share]
-        except KeyError:
-            local = self._local_policies[policy, share] = self._scaled(policy, share)
-        return None if local is None else self.core.rebind(call, local)
-
-    def _scaled(self, policy: Policy, share: float) -> Policy | None:
-        """``policy`` with each limit (and burst) scaled: a float share of it, at least 1; or,
-        for an auto share (``share`` an int, the fleet count), ``limit // count``, so that the
-        fleet never grants more than the limit in all (None if a limit rounds to 0)."""
-        if isinstance(share, int):
-            count = share
-            limits = [r.limit // count for r in policy.rates]
-            burst = None if policy.burst is None else policy.burst // count
-            if min(limits) == 0 or burst == 0:
-                return None
-        else:
-            limits = [max(1, math.floor(r.limit * share)) for r in policy.rates]
-            burst = None if policy.burst is None else max(1, math.floor(policy.burst * share))
-        if len(self._local_policies) >= _MAX_LOCAL_POLICIES:
-            self._local_policies.clear()
-        return Policy(
-            policy.name,
-            [Rate(limit, r.period) for limit, r in zip(limits, policy.rates, strict=True)],
-            policy.algorithm,
-            burst=burst,
-            max_log_entries=policy.max_log_entries,
         )
 
     def _log_transition(self, old: object, new: object, node: str | None = None) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ._rates import Rate
+from .rates import Rate
 
 __all__ = ["Decision"]
 

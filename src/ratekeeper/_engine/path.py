@@ -31,16 +31,16 @@ from collections.abc import Generator
 from time import perf_counter
 from typing import Any, NamedTuple
 
-from ._breaker import CircuitBreaker
-from ._core import Call, Core
-from ._decision import Decision
-from ._errors import RequestRejected, StorageError
-from ._fleet import Fleet
-from ._guard import Guard
-from ._keys import Identity
-from ._policy import Policy
-from ._scripts import Script
-from ._top import TopOffenders
+from .._algorithms.policy import Policy
+from .._algorithms.scripts import Script
+from .._model.decision import Decision
+from .._model.errors import RequestRejected, StorageError
+from .breaker import CircuitBreaker
+from .core import Call, Core
+from .fleet import Fleet
+from .guard import Guard
+from .keys import Identity
+from .top import TopOffenders
 
 __all__ = ["Later", "Path", "Run", "Steps"]
 

@@ -8,12 +8,53 @@ import logging
 import os
 import threading
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, TypedDict
 
-from ._breaker import CircuitBreaker
-from .typing import LimiterOptions, UrlOptions
+from .._engine.breaker import CircuitBreaker
+from .._engine.metrics import Metrics
+from .._model.clock import Clock
+from .._model.options import FailureMode, LocalShare
 
-__all__ = ["STORAGE_URL_VARIABLE", "check_options", "default_breaker", "opening", "storage_url"]
+__all__ = [
+    "STORAGE_URL_VARIABLE",
+    "LimiterOptions",
+    "UrlOptions",
+    "check_options",
+    "default_breaker",
+    "opening",
+    "storage_url",
+]
+
+
+class LimiterOptions(TypedDict, total=False):
+    """The options every limiter takes, by keyword (``Limiter(storage, **options)``,
+    ``from_url``, ``from_client``, and the same on ``AsyncLimiter``); described in
+    :meth:`ratekeeper.Limiter.from_url`. A wrapper of your own can pass them on typed::
+
+        def my_limiter(**options: Unpack[LimiterOptions]) -> Limiter: ...
+    """
+
+    key_prefix: str
+    clock: Clock | None
+    failure_mode: FailureMode
+    local_share: LocalShare
+    breaker: CircuitBreaker | None
+    deny_cache: int
+    deny_cache_max_age: float
+    metrics: Metrics | None
+    top_offenders: int
+    top_hash_key: bytes | str | None
+
+
+class UrlOptions(LimiterOptions, total=False):
+    """``from_url``'s options: the limiter's, and those of a Redis or Valkey store
+    (``memory://`` refuses these); described in :meth:`ratekeeper.Limiter.from_url`."""
+
+    timeout: float | None
+    connect_timeout: float | None
+    max_connections: int | None
+    redis_options: dict[str, Any] | None
+
 
 log = logging.getLogger("ratekeeper")
 

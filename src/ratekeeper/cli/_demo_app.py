@@ -6,9 +6,9 @@ import json
 from collections.abc import MutableMapping
 from typing import Any
 
-from ._limiter import AsyncLimiter
-from ._policy import Policy
-from .asgi import RateLimitMiddleware, Rule, answer_lifespan
+from .._algorithms.policy import Policy
+from .._limiters.limiter import AsyncLimiter
+from ..asgi import RateLimitMiddleware, Rule, answer_lifespan
 
 __all__ = ["build_app"]
 

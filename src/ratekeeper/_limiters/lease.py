@@ -10,8 +10,8 @@ from collections.abc import Awaitable, Callable, Generator
 from types import TracebackType
 from typing import Any, Generic, Protocol, TypeVar
 
-from ._core import Call
-from ._decision import Decision
+from .._engine.core import Call
+from .._model.decision import Decision
 
 __all__ = ["AsyncLease", "Lease", "Pending"]
 

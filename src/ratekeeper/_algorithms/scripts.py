@@ -1,4 +1,4 @@
-"""Lua scripts shipped as package data (``ratekeeper/lua/*.lua``), identified by SHA1.
+"""Lua scripts shipped as package data (``ratekeeper/_algorithms/lua/*.lua``), identified by SHA1.
 
 Each script runs with ``lua/_prelude.lua`` in front of it: the parsing of the ARGV layout every
 script shares and the clock (Lua scripts cannot import one another). The prelude's header says
@@ -27,7 +27,7 @@ class Script:
 @cache
 def load_script(name: str) -> Script:
     """Read ``lua/<name>.lua`` from the package, with the prelude in front, once."""
-    folder = resources.files("ratekeeper").joinpath("lua")
+    folder = resources.files("ratekeeper._algorithms").joinpath("lua")
     prelude = folder.joinpath("_prelude.lua").read_bytes()
     source = prelude + folder.joinpath(f"{name}.lua").read_bytes()
     return Script(name, source, sha1(source).hexdigest())

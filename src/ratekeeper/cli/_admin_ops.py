@@ -22,11 +22,11 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from ._algorithms import ALGORITHMS
-from ._decision import Decision
-from ._errors import ConfigError, RatekeeperError
-from ._limiter import Limiter
-from ._policy import Policy
+from .._algorithms import ALGORITHMS
+from .._algorithms.policy import Policy
+from .._limiters.limiter import Limiter
+from .._model.decision import Decision
+from .._model.errors import ConfigError, RatekeeperError
 
 __all__ = [
     "ADMIN_ALGORITHMS",

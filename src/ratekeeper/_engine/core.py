@@ -12,7 +12,7 @@ import math
 import os
 from dataclasses import dataclass
 
-from ._algorithms import (
+from .._algorithms import (
     CHARGE,
     HIT,
     PEEK,
@@ -24,13 +24,13 @@ from ._algorithms import (
     encode_args,
     get_algorithm,
 )
-from ._clock import Clock
-from ._decision import Decision, make_decision
-from ._errors import ConfigError
-from ._keys import DEFAULT_KEY_PREFIX, Identity, KeyBuilder
-from ._policy import Policy
-from ._rates import MAX_INT
-from ._scripts import Script, load_script
+from .._algorithms.policy import Policy
+from .._algorithms.scripts import Script, load_script
+from .._model.clock import Clock
+from .._model.decision import Decision, make_decision
+from .._model.errors import ConfigError
+from .._model.rates import MAX_INT
+from .keys import DEFAULT_KEY_PREFIX, Identity, KeyBuilder
 
 __all__ = ["TTL_MARGIN_MS", "Call", "Core"]
 

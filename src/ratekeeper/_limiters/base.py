@@ -12,19 +12,19 @@ import time
 import weakref
 from typing import Any, Generic, TypeVar
 
-from ._breaker import CircuitBreaker
-from ._clock import Clock
-from ._core import Core
-from ._decision import Decision
-from ._errors import ConfigError
-from ._guard import DEFAULT_DENY_CACHE_MAX_AGE, DEFAULT_DENY_CACHE_SIZE, Guard
-from ._keys import DEFAULT_KEY_PREFIX, Identity
-from ._path import Path
-from ._policy import Policy
-from ._storage import AsyncStorage, SyncStorage
-from ._top import TopOffenders
-from .metrics import Metrics
-from .typing import FailureMode, LocalShare
+from .._algorithms.policy import Policy
+from .._engine.breaker import CircuitBreaker
+from .._engine.core import Core
+from .._engine.guard import DEFAULT_DENY_CACHE_MAX_AGE, DEFAULT_DENY_CACHE_SIZE, Guard
+from .._engine.keys import DEFAULT_KEY_PREFIX, Identity
+from .._engine.metrics import Metrics
+from .._engine.path import Path
+from .._engine.top import TopOffenders
+from .._model.clock import Clock
+from .._model.decision import Decision
+from .._model.errors import ConfigError
+from .._model.options import FailureMode, LocalShare
+from .._storage import AsyncStorage, SyncStorage
 
 __all__ = ["LimiterBase"]
 

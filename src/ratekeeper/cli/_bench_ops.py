@@ -34,13 +34,13 @@ from rich.markup import escape
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
-from ._breaker import CircuitBreaker
-from ._decision import Decision
-from ._errors import RatekeeperError
+from .._algorithms.policy import Policy
+from .._engine.breaker import CircuitBreaker
+from .._limiters.limiter import AsyncLimiter, Limiter
+from .._model.decision import Decision
+from .._model.errors import RatekeeperError
+from .._storage.base import redact
 from ._histogram import LatencyHistogram
-from ._limiter import AsyncLimiter, Limiter
-from ._policy import Policy
-from ._storage.base import redact
 
 __all__ = [
     "BENCH_ALGORITHMS",

@@ -17,9 +17,9 @@ from collections.abc import Callable
 from types import TracebackType
 from typing import Any
 
-from ._core import Call, check_actual
-from ._decision import Decision
-from ._errors import ReservationError
+from .._engine.core import Call, check_actual
+from .._model.decision import Decision
+from .._model.errors import ReservationError
 
 __all__ = ["AsyncReservation", "Reservation"]
 

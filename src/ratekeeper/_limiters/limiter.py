@@ -13,17 +13,14 @@ import logging
 import threading
 from typing import TYPE_CHECKING, Any
 
-from ._core import Call
-from ._decision import Decision
-from ._errors import RequestRejected, StorageError
-from ._keys import Identity
-from ._lease import AsyncLease, Lease, Pending
-from ._limiter_base import LimiterBase
-from ._opening import STORAGE_URL_VARIABLE, check_options, opening
-from ._path import Later, Run, Steps
-from ._policy import Policy
-from ._reservation import AsyncReservation, Reservation
-from ._storage import (
+from .._algorithms.policy import Policy
+from .._engine.core import Call
+from .._engine.keys import Identity
+from .._engine.path import Later, Run, Steps
+from .._engine.top import FLUSH_EVERY, Offenders
+from .._model.decision import Decision
+from .._model.errors import RequestRejected, StorageError
+from .._storage import (
     AsyncStorage,
     SyncStorage,
     open_async,
@@ -31,12 +28,15 @@ from ._storage import (
     open_client_sync,
     open_sync,
 )
-from ._top import FLUSH_EVERY, Offenders
+from .base import LimiterBase
+from .lease import AsyncLease, Lease, Pending
+from .options import STORAGE_URL_VARIABLE, check_options, opening
+from .reservation import AsyncReservation, Reservation
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
 
-    from .typing import LimiterOptions, UrlOptions
+    from .options import LimiterOptions, UrlOptions
 
 __all__ = ["STORAGE_URL_VARIABLE", "AsyncLimiter", "Limiter"]
 
@@ -233,7 +233,7 @@ class Limiter(LimiterBase[SyncStorage]):
     def top(self, policy: Policy | str, *, since: float = 600.0, limit: int = 10) -> Offenders:
         """The identities ``policy`` denied most across every limiter on this store over the
         last ``since`` seconds (whole minutes; up to an hour), most denied first, with the
-        total and the error bound of each count (``ratekeeper._top``). This limiter's own
+        total and the error bound of each count (``ratekeeper._engine.top``). This limiter's own
         counts are merged first. Raises StorageError if the store cannot be read."""
         name, (script, keys, args) = self._top_read(policy, since, limit)
         self.merge_top()
@@ -279,9 +279,9 @@ class Limiter(LimiterBase[SyncStorage]):
 
         Raises :class:`RateLimited` (``.decision``: the last denial) as soon as the next try
         would come after ``timeout`` seconds (None: wait as long as it takes), and at once when
-        the cost can never pass. See ``ratekeeper._wait`` for the rule.
+        the cost can never pass. See ``ratekeeper._limiters.wait`` for the rule.
         """
-        from ._wait import wait_sync
+        from .wait import wait_sync
 
         return wait_sync(self, policy, identity, cost, timeout)
 
@@ -481,6 +481,6 @@ class AsyncLimiter(LimiterBase[AsyncStorage]):
         self, policy: Policy, identity: Identity, cost: int = 1, *, timeout: float | None = None
     ) -> Decision:
         """:meth:`Limiter.wait` on asyncio: ``await limiter.wait(policy, identity)``."""
-        from ._wait import wait_async
+        from .wait import wait_async
 
         return await wait_async(self, policy, identity, cost, timeout)

@@ -31,10 +31,10 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Protocol
 
-from ._decision import Decision
-from ._errors import ConfigError, RateLimited
-from ._keys import Identity
-from ._policy import Policy
+from .._algorithms.policy import Policy
+from .._engine.keys import Identity
+from .._model.decision import Decision
+from .._model.errors import ConfigError, RateLimited
 
 __all__ = [
     "JITTER",

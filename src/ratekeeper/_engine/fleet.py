@@ -24,69 +24,15 @@ import os
 import threading
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
 
-from ._algorithms import HIT, encode_args
-from ._errors import ConfigError
-from ._scripts import Script, load_script
+from .._algorithms import HIT, encode_args
+from .._algorithms.scripts import Script, load_script
+from .._model.options import AutoShare
 
-__all__ = ["AutoShare", "Fleet", "check_local_share"]
+__all__ = ["Fleet"]
 
-#: Seconds between heartbeats by default; an id expires after ``TTL_BEATS`` missed ones.
-DEFAULT_HEARTBEAT = 1.0
-TTL_BEATS = 3
 #: Milliseconds the fleet key outlives its newest member (clock skew, as for every key).
 _MARGIN_MS = 1_000
-
-
-@dataclass(frozen=True, slots=True)
-class AutoShare:
-    """``local_share=AutoShare(heartbeat=..., ttl=...)``: the auto share with its timing.
-
-    ``local_share="auto"`` is ``AutoShare()``: a heartbeat at most every second, and an
-    instance counted until 3 s after its last one.
-    """
-
-    heartbeat: float = DEFAULT_HEARTBEAT
-    ttl: float | None = None  # default: TTL_BEATS heartbeats
-
-    def __post_init__(self) -> None:
-        for name in ("heartbeat", "ttl"):
-            value = getattr(self, name)
-            if value is None and name == "ttl":
-                continue
-            if (
-                isinstance(value, bool)
-                or not isinstance(value, (int, float))
-                or not math.isfinite(value)
-                or not 0.001 <= value <= 86_400
-            ):
-                raise ConfigError(
-                    f"AutoShare {name} must be seconds between 0.001 and 86400, got {value!r}"
-                )
-        if self.ttl is not None and self.ttl < self.heartbeat:
-            raise ConfigError(
-                f"AutoShare ttl ({self.ttl!r} s) must be at least one heartbeat "
-                f"({self.heartbeat!r} s): instances would expire between their heartbeats"
-            )
-
-    @property
-    def ttl_seconds(self) -> float:
-        return self.ttl if self.ttl is not None else TTL_BEATS * self.heartbeat
-
-
-def check_local_share(value: object) -> float | AutoShare:
-    """``local_share`` checked: a float in (0, 1], or ``"auto"`` / an AutoShare."""
-    if value == "auto":
-        return AutoShare()
-    if isinstance(value, AutoShare):
-        return value
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
-        raise ConfigError(
-            f"local_share must be 'auto' or a share in (0, 1] (1 / number of instances), "
-            f"got {value!r}"
-        )
-    return float(value)
 
 
 #: (script, keys, args) of one heartbeat.
