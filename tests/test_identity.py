@@ -18,8 +18,8 @@ from starlette.responses import PlainTextResponse
 from starlette.routing import Route
 
 from ratekeeper import AsyncLimiter, ConfigError, Policy
-from ratekeeper._http import _identity as identity_module
 from ratekeeper._http import Limiting, StoreCall, anonymous_identity
+from ratekeeper._http import _identity as identity_module
 from ratekeeper.asgi import RateLimitMiddleware
 from ratekeeper.identity import Request, client_ip, first, header
 

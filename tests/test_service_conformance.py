@@ -16,7 +16,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from ratekeeper.service import rls_pb2 as ours
-from ratekeeper.service._answer import UNLIMITED_REMAINING
+from ratekeeper.service._decide import UNLIMITED_REMAINING
 from ratekeeper.service._server import RLS_SERVICE
 
 from .servers import RedisServer

@@ -16,8 +16,7 @@ import pytest
 from google.protobuf import json_format
 
 from ratekeeper import AsyncLimiter
-from ratekeeper.service._answer import set_duration
-from ratekeeper.service._decide import Decider
+from ratekeeper.service._decide import Decider, set_duration
 from ratekeeper.service._loader import load_config
 from ratekeeper.service.rls_pb2 import RateLimitDescriptor, RateLimitRequest, RateLimitResponse
 

@@ -45,13 +45,11 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from .._model.errors import ConfigError
+from .._model.rates import Rate
 from .keyspace import Keyspace
-
-if TYPE_CHECKING:
-    from .policy import Policy
 
 __all__ = [
     "CHARGE",
@@ -67,6 +65,7 @@ __all__ = [
     "SETTLES",
     "Algorithm",
     "Args",
+    "Limits",
     "Reply",
     "decode_args",
     "encode_args",
@@ -146,6 +145,24 @@ def decode_args(args: Sequence[int | str], now: int) -> Args:
     )
 
 
+class Limits(Protocol):
+    """What an algorithm reads of a policy (``Policy`` has it). ``Policy`` looks its algorithm
+    up in the registry when it is made, so the algorithms name this shape, not the class."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def algorithm(self) -> str: ...
+    @property
+    def rates(self) -> tuple[Rate, ...]: ...
+    @property
+    def burst(self) -> int | None: ...
+    @property
+    def max_log_entries(self) -> int: ...
+    @property
+    def max_limit(self) -> int: ...
+
+
 @dataclass(frozen=True, slots=True)
 class Algorithm:
     """One algorithm: its script, its key suffixes, its reference and its policy checks."""
@@ -154,11 +171,11 @@ class Algorithm:
     script: str
     suffixes: tuple[str, ...]
     reference: Callable[[Keyspace, tuple[str, ...], Args], Reply]
-    validate: Callable[[Policy], None]
-    extra_args: Callable[[Policy], tuple[int, ...]] = lambda policy: ()
+    validate: Callable[[Limits], None]
+    extra_args: Callable[[Limits], tuple[int, ...]] = lambda policy: ()
 
 
-def check_limits(policy: Policy, bound: int = MAX_COUNTER_LIMIT) -> None:
+def check_limits(policy: Limits, bound: int = MAX_COUNTER_LIMIT) -> None:
     """Refuse limits above ``bound`` for exact arithmetic in the scripts' doubles."""
     for rate in policy.rates:
         if rate.limit > bound:

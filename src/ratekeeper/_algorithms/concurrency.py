@@ -17,20 +17,16 @@ lease stored:
 from __future__ import annotations
 
 from bisect import bisect_right, insort_right
-from typing import TYPE_CHECKING
 
 from .._model.errors import ConfigError
-from ._base import HIT, RELEASE, RETRY_NEVER, RETRY_NONE, Algorithm, Args, Reply
+from ._base import HIT, RELEASE, RETRY_NEVER, RETRY_NONE, Algorithm, Args, Limits, Reply
 from .keyspace import Keyspace
-
-if TYPE_CHECKING:
-    from .policy import Policy
 
 #: Leases one identity may hold at once at most: each is a sorted-set member.
 MAX_LEASES = 100_000
 
 
-def validate(policy: Policy) -> None:
+def validate(policy: Limits) -> None:
     if len(policy.rates) != 1:
         raise ConfigError(
             f"policy {policy.name!r}: a concurrency policy takes one limit, e.g. "

@@ -18,8 +18,6 @@ stored field:
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from ._base import (
     CHARGE,
     MAX_COUNTER_LIMIT,
@@ -30,16 +28,14 @@ from ._base import (
     SETTLES,
     Algorithm,
     Args,
+    Limits,
     Reply,
     check_limits,
 )
 from .keyspace import Keyspace
 
-if TYPE_CHECKING:
-    from .policy import Policy
 
-
-def validate(policy: Policy) -> None:
+def validate(policy: Limits) -> None:
     check_limits(policy)
 
 

@@ -18,8 +18,6 @@ stored field:
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from .._model.errors import ConfigError
 from .._model.rates import MAX_INT, MAX_SPAN_US
 from ._base import (
@@ -30,13 +28,11 @@ from ._base import (
     SETTLES,
     Algorithm,
     Args,
+    Limits,
     Reply,
     check_limits,
 )
 from .keyspace import Keyspace
-
-if TYPE_CHECKING:
-    from .policy import Policy
 
 #: B * W_ms must stay below this so that every intermediate value is exact in a Lua double.
 _MAX_PRODUCT = 2**52
@@ -44,14 +40,14 @@ _MAX_PRODUCT = 2**52
 _MAX_LIMIT = 2**53 // 1001
 
 
-def bursts(policy: Policy) -> tuple[int, ...]:
+def bursts(policy: Limits) -> tuple[int, ...]:
     """The burst of each rate: the policy's ``burst`` for a single rate, else each limit."""
     if policy.burst is not None:
         return (policy.burst,)
     return tuple(rate.limit for rate in policy.rates)
 
 
-def validate(policy: Policy) -> None:
+def validate(policy: Limits) -> None:
     check_limits(policy, _MAX_LIMIT)
     if policy.burst is not None and len(policy.rates) > 1:
         raise ConfigError(

@@ -20,18 +20,13 @@ stored time:
 from __future__ import annotations
 
 from bisect import bisect_right
-from typing import TYPE_CHECKING
 
 from .._model.errors import ConfigError
+from ._base import REFUND, RESERVE, RETRY_NEVER, RETRY_NONE, SETTLES, Algorithm, Args, Limits, Reply
 from .keyspace import Keyspace
 
-if TYPE_CHECKING:
-    from .policy import Policy
 
-from ._base import REFUND, RESERVE, RETRY_NEVER, RETRY_NONE, SETTLES, Algorithm, Args, Reply
-
-
-def validate(policy: Policy) -> None:
+def validate(policy: Limits) -> None:
     if policy.max_limit > policy.max_log_entries:
         raise ConfigError(
             f"policy {policy.name!r}: sliding_log keeps one entry per unit of cost, and a limit "

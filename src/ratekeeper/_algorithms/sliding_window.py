@@ -21,8 +21,6 @@ stored field:
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from .._model.errors import ConfigError
 from .._model.rates import MAX_INT
 from ._base import (
@@ -34,16 +32,14 @@ from ._base import (
     SETTLES,
     Algorithm,
     Args,
+    Limits,
     Reply,
     check_limits,
 )
 from .keyspace import Keyspace
 
-if TYPE_CHECKING:
-    from .policy import Policy
 
-
-def validate(policy: Policy) -> None:
+def validate(policy: Limits) -> None:
     check_limits(policy)
     for rate in policy.rates:
         if 2 * rate.limit * rate.period_ms > MAX_INT:

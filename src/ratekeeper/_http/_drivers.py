@@ -9,12 +9,10 @@ that would suspend is an error; ``drive_async`` answers store calls with an asyn
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from .._limiters.limiter import AsyncLimiter, Limiter
 from ._steps import Settle, Steps, StoreCall
-
-if TYPE_CHECKING:
-    from .._limiters.limiter import AsyncLimiter, Limiter
 
 __all__ = ["drive_async", "drive_blocking", "drive_sync"]
 

@@ -16,6 +16,7 @@ from collections.abc import Iterable, MutableMapping
 from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypedDict, TypeVar
 
 from .._algorithms.policy import Policy
+from .._limiters.limiter import AsyncLimiter, Limiter
 from .._model.decision import Decision
 from .._model.errors import ConfigError
 from ._base import (
@@ -35,8 +36,6 @@ from ._workers import warn_memory_under_workers
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
-
-    from .._limiters.limiter import AsyncLimiter, Limiter
 
 __all__ = ["EndpointOptions", "Middleware", "MiddlewareOptions", "endpoint_limiting"]
 

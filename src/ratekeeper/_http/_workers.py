@@ -7,11 +7,8 @@ import logging
 import os
 import threading
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from .._limiters.limiter import AsyncLimiter, Limiter
-
+from .._limiters.limiter import AsyncLimiter, Limiter
 
 # --- memory:// under several workers -----------------------------------------------------------
 

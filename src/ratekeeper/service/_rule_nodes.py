@@ -7,12 +7,13 @@ file loader of ``_loader`` is a :class:`RuleNodes`.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any, cast
 
 from yaml.nodes import Node, ScalarNode
 
 from .._algorithms.policy import Policy
 from .._model.errors import ConfigError
+from .._model.options import Algorithm
 from .._model.rates import Rate
 from ._config import (
     DEFAULT_ALGORITHM,
@@ -25,9 +26,6 @@ from ._config import (
     rule_policy_name,
 )
 from ._yaml_nodes import NULL, Nodes
-
-if TYPE_CHECKING:
-    from .._model.options import Algorithm
 
 __all__ = ["RATE_LIMIT_EXTENSIONS", "RATE_LIMIT_KEYS", "Domain", "RuleNodes"]
 

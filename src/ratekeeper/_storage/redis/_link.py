@@ -31,7 +31,7 @@ import struct
 import sys
 import time
 from collections import deque
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import redis
 from redis.exceptions import InvalidResponse
@@ -41,10 +41,14 @@ from ._errors import REROUTE
 from ._exchange import DONE
 from ._wire import INCOMPLETE, IdleCheck, new_reader
 
-if TYPE_CHECKING:
-    from ._protocol import Links
+__all__ = ["Link", "Pool", "Round", "keep_stamping", "stamps_on"]
 
-__all__ = ["Link", "Round", "keep_stamping", "stamps_on"]
+
+class Pool(Protocol):
+    """Where a link goes back once its round is settled (``_protocol.Links``)."""
+
+    def give(self, link: Link | None) -> None: ...
+
 
 #: The most bytes one read takes from the socket.
 _READ = 262_144
@@ -135,7 +139,7 @@ class Round:
         count: int,
         future: asyncio.Future[None],
         slots: list[list[Pending]] | None,
-        pool: Links | None,
+        pool: Pool | None,
         sent: float,
         deadline: float,
         reroute: list[Pending] | None = None,
@@ -340,7 +344,7 @@ class Link:
         packed: bytes,
         count: int,
         slots: list[list[Pending]] | None = None,
-        pool: Links | None = None,
+        pool: Pool | None = None,
         sent: float = 0.0,
         timeout: float | None = None,
         reroute: list[Pending] | None = None,
