@@ -142,7 +142,7 @@ class Filler:
 
                     def make(o: float = offset, c: int = cost, i: str = identity) -> Call:
                         self.clock.set(BASE_TIME + 1800 + o)  # mid-hour: windows roll mid-fill
-                        return self.core.hit(policy, i, c)
+                        return self.core.hit_call(policy, i, c)
 
                     yield make
 
@@ -155,7 +155,7 @@ class Filler:
 
                     def make(o: float = j * 0.001, i: str = identity) -> Call:
                         self.clock.set(BASE_TIME + o)
-                        return self.core.acquire(policy, i, 1)
+                        return self.core.acquire_call(policy, i, 1)
 
                     yield make
 

@@ -162,7 +162,7 @@ def script_calls(policy: Policy, identities: Sequence[str]) -> ScriptCalls:
     script = None
     has_token = False
     for identity in identities:
-        call = core.hit(policy, identity, 1)
+        call = core.hit_call(policy, identity, 1)
         script = call.script
         if call.token in call.args:
             has_token = True
@@ -379,7 +379,7 @@ class Builder:
         script takes a token, twice in it). It runs on the client CPUs, as this process does."""
         core = Core()
         sample = "sample-identity"
-        call = core.hit(Policy(POLICY_NAME, LOG_RATE, algorithm="sliding_log"), sample, 1)
+        call = core.hit_call(Policy(POLICY_NAME, LOG_RATE, algorithm="sliding_log"), sample, 1)
         tag = core.keys.tag(POLICY_NAME, sample)
         if any(tag not in key for key in call.keys):
             raise RuntimeError(f"no hash tag {tag!r} in {call.keys}: cannot template the keys")

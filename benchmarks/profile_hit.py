@@ -4,8 +4,9 @@ Run: ``.venv/bin/python benchmarks/profile_hit.py [--calls N] [--top T]``
 
 1. cProfile over N ``limiter.hit`` calls against a private server (top T by cumulative time,
    then by own time);
-2. timeit of the pure-Python pieces of a hit, without any I/O: ``Core.call`` (key hashing,
-   argument encoding, token), ``Core.decide`` on a canned reply, and redis-py's command packing;
+2. timeit of the pure-Python pieces of a hit, without any I/O: ``Core.hit_call`` (key hashing,
+   argument encoding, token), ``Core.decision_of`` on a canned reply, and redis-py's command
+   packing;
 3. the same N calls three ways, no profiler: ``limiter.hit``, ``storage.run`` with precomputed
    calls, and ``client.execute_command('EVALSHA', ...)`` with the same precomputed arguments.
 """
@@ -47,16 +48,16 @@ def profile_hits(limiter: Limiter, policy: Policy, identities: list[str], n: int
 
 def time_pieces(storage: RedisStorage, policy: Policy) -> None:
     core = Core()
-    call = core.hit(policy, "user:1", 1)
+    call = core.hit_call(policy, "user:1", 1)
     reply = storage.run(call.script, call.keys, call.args)
     pool = storage.client.connection_pool
     connection = pool.get_connection()
     try:
         command = ("EVALSHA", call.script.sha, len(call.keys), *call.keys, *call.args)
         pieces: dict[str, Callable[[], object]] = {
-            "Core.hit (keys + args + token)": lambda: core.hit(policy, "user:1", 1),
+            "Core.hit_call (keys + args + token)": lambda: core.hit_call(policy, "user:1", 1),
             "KeyBuilder.tag (blake2b + b64)": lambda: core.keys.tag("bench", "user:1"),
-            "Core.decide (reply -> Decision)": lambda: core.decide(call, reply),
+            "Core.decision_of (reply -> Decision)": lambda: core.decision_of(call, reply),
             "redis-py pack_command": lambda: connection.pack_command(*command),
         }
         print("I/O-free pieces, best of 5, us per call:")
@@ -101,7 +102,7 @@ def three_ways(limiter: Limiter, policy: Policy, identities: list[str], n: int) 
     results: dict[str, list[float]] = {label: [] for label in ways}
     for _ in range(3):
         for label, fn in ways.items():
-            calls = [core.hit(policy, identities[i % k], 1) for i in range(n)]
+            calls = [core.hit_call(policy, identities[i % k], 1) for i in range(n)]
             t0 = time.perf_counter()
             fn(calls)
             results[label].append((time.perf_counter() - t0) / n * 1e6)

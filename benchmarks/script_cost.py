@@ -111,10 +111,10 @@ def ratekeeper_case(
     def calls(identity: str) -> list[Call]:
         """The calls of one decision: a hit, or an acquire and its release."""
         if algorithm == "concurrency":
-            acquired = core.acquire(policy, identity, 1)
-            made = [acquired, core.release(acquired, identity)]
+            acquired = core.acquire_call(policy, identity, 1)
+            made = [acquired, core.release_call(acquired, identity)]
         else:
-            made = [core.hit(policy, identity, 1)]
+            made = [core.hit_call(policy, identity, 1)]
         return made if script is None else [replace(call, script=script) for call in made]
 
     if api:  # the same calls through the limiter's own path, with the baseline script
@@ -124,7 +124,7 @@ def ratekeeper_case(
             k, admitted = len(identities), 0
 
             def decide(call: Call) -> Decision:
-                return drive(path.decide(call))  # type: ignore[no-any-return]
+                return drive(path.steps_of(call))  # type: ignore[no-any-return]
 
             for i in range(n):
                 first, *rest = calls(identities[i % k])
@@ -143,7 +143,7 @@ def ratekeeper_case(
         for call in made:
             pipe.execute_command("EVALSHA", call.script.sha, len(call.keys), *call.keys, *call.args)
         first = made[0]
-        return [lambda reply: Core.decide(first, reply).allowed] + [None] * (len(made) - 1)
+        return [lambda reply: Core.decision_of(first, reply).allowed] + [None] * (len(made) - 1)
 
     def close() -> None:
         client.close()

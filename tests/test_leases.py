@@ -169,7 +169,7 @@ def test_releasing_an_expired_lease_returns_false_and_frees_nothing(leases: Leas
     its late release does not free the unit another holder has taken since.
 
     The bug this catches: the release of an expired lease is answered {0, remaining, reset, -1}
-    (not held; retry -1, as nothing waits), and ``Core.decide`` skipped every rate of a denied
+    (not held; retry -1, as nothing waits), and ``Core.decision_of`` skipped every rate of a denied
     reply whose retry is -1, was left with no rate and raised ``ValueError: not enough values
     to unpack`` from ``lease.release()`` (and from leaving a ``with`` block late), on every
     backend.

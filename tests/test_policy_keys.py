@@ -321,8 +321,8 @@ def _raised(call: Callable[[], object]) -> BaseException | None:
 @pytest.mark.parametrize("method", ["hit", "peek", "acquire", "reset", "keys"])
 @pytest.mark.parametrize("not_a_policy", ["api", None])
 def test_policy_must_be_a_policy(method: str, not_a_policy: object) -> None:
-    # Known bug: Core.hit and Core.acquire (src/ratekeeper/_engine/core.py) read policy.algorithm
-    # before _call checks isinstance(policy, Policy), so hit and acquire raise AttributeError.
+    # A bug once: Core.hit_call and Core.acquire_call read policy.algorithm before the call
+    # checked isinstance(policy, Policy), so hit and acquire raised AttributeError.
     with Limiter.from_url("memory://") as limiter:
         raised = _raised(lambda: getattr(limiter, method)(not_a_policy, "alice"))
     assert isinstance(raised, ConfigError), (

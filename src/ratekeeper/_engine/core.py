@@ -179,7 +179,7 @@ class Core:
         )
         return Call(call.script, call.keys, args, policy, call.token, call.cost, call.mode)
 
-    def hit(
+    def hit_call(
         self,
         policy: Policy,
         identity: Identity,
@@ -209,12 +209,12 @@ class Core:
         """The key a cached denial of ``identity`` under ``policy`` is filed under."""
         return self.keys_of(policy, identity)[0]
 
-    def peek(self, policy: Policy, identity: Identity, cost: int) -> Call:
+    def peek_call(self, policy: Policy, identity: Identity, cost: int) -> Call:
         """The call that tells whether ``cost`` would be admitted, consuming nothing."""
         _check_policy(policy)
         return self._call(policy, identity, cost, PEEK, "")
 
-    def acquire(self, policy: Policy, identity: Identity, cost: int) -> Call:
+    def acquire_call(self, policy: Policy, identity: Identity, cost: int) -> Call:
         """The call that takes a lease of ``cost`` units under a concurrency policy."""
         _check_policy(policy)
         if policy.algorithm != "concurrency":
@@ -224,7 +224,7 @@ class Core:
             )
         return self._call(policy, identity, cost, HIT, _TOKENS.next())
 
-    def reserve(self, policy: Policy, identity: Identity, cost: int) -> Call:
+    def reserve_call(self, policy: Policy, identity: Identity, cost: int) -> Call:
         """The call that consumes ``cost`` as a reservation, if every rate admits it; its
         reply ends with the reservation's stamp (``stamp``)."""
         if type(policy) is not Policy:
@@ -241,7 +241,7 @@ class Core:
         """The stamp of the reservation ``call`` made (None: nothing was reserved)."""
         return int(reply[-1]) if len(reply) > 1 + 3 * len(call.policy.rates) else None
 
-    def settle(self, reserved: Call, stamp: int | None, actual: int) -> Call:
+    def settle_call(self, reserved: Call, stamp: int | None, actual: int) -> Call:
         """The call that settles the reservation ``reserved`` made at ``stamp`` for ``actual``:
         a refund of the difference, or a charge of the rest; for a reservation the store never
         held (``stamp`` None: a failure mode admitted it), a charge of all of ``actual``."""
@@ -253,10 +253,10 @@ class Core:
             return self._adjust(reserved, CHARGE, delta, "")
         return self._adjust(reserved, REFUND, -delta, str(stamp))
 
-    def charge(self, policy: Policy, identity: Identity, cost: int) -> Call:
+    def charge_call(self, policy: Policy, identity: Identity, cost: int) -> Call:
         """The call that adds ``cost`` whatever the limit (work already done), then tells
         where the identity stands."""
-        reserved = self.reserve(policy, identity, 1)  # checks the policy; builds the keys
+        reserved = self.reserve_call(policy, identity, 1)  # checks the policy; builds the keys
         return self._adjust(reserved, CHARGE, _check_cost(cost), "")
 
     def _adjust(self, reserved: Call, mode: int, cost: int, token: str) -> Call:
@@ -267,7 +267,7 @@ class Core:
         args = (self._now(), cost, mode, token, TTL_MARGIN_MS, *plan[3])
         return Call(plan[1], reserved.keys, args, policy, token, cost, mode)
 
-    def release(self, acquired: Call, identity: Identity) -> Call:
+    def release_call(self, acquired: Call, identity: Identity) -> Call:
         """The call that gives back the lease taken by ``acquired``."""
         return self._call(
             acquired.policy, identity, acquired.cost, RELEASE, acquired.token, acquired.keys
@@ -279,7 +279,7 @@ class Core:
         return self.keys.keys(policy.name, identity, get_algorithm(policy.algorithm).suffixes)
 
     @staticmethod
-    def decide(call: Call, reply: list[int]) -> Decision:
+    def decision_of(call: Call, reply: list[int]) -> Decision:
         """Read a script reply into a Decision.
 
         A denial is described by the denying rate with the longest wait. Otherwise (an

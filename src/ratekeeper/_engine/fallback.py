@@ -34,7 +34,7 @@ class LocalFallback:
         self.storage = MemoryStorage(max_keys=LOCAL_MAX_KEYS)
         self._policies: dict[tuple[Policy, float], Policy | None] = {}
 
-    def decide(self, call: Call) -> Decision | None:
+    def answer(self, call: Call) -> Decision | None:
         """``call`` decided at this instance's share of each limit; None when that share is
         nothing (an auto share with no fleet count yet, or a limit smaller than the fleet)."""
         policy = call.policy
@@ -53,7 +53,7 @@ class LocalFallback:
         if local is None:
             return None
         rebound = self.core.rebind(call, local)
-        return self.core.decide(
+        return self.core.decision_of(
             rebound, self.storage.run(rebound.script, rebound.keys, rebound.args)
         )
 

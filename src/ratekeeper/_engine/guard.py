@@ -252,7 +252,7 @@ class Guard:
                 if self._lag is not None:
                     self._lag(now - answered)
         breaker.record(True, elapsed)
-        decision = self.core.decide(call, reply)
+        decision = self.core.decision_of(call, reply)
         mode = call.mode
         if mode in SETTLES:  # not a decision of a request: settling one made earlier
             if mode == REFUND and self._deny is not None:
@@ -388,7 +388,7 @@ class Guard:
         else:
             if self.local is None:
                 self.local = LocalFallback(self.core, self.local_share, self.fleet)
-            local = self.local.decide(call)
+            local = self.local.answer(call)
             if local is None:  # no fleet count yet, or a share of 0: deny, as closed does
                 wait = breaker.retry_after() or breaker.open_for
                 decision = self._degraded(policy, rate, False, wait, f"{reason}/local")

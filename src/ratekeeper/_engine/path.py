@@ -97,26 +97,26 @@ class Path:
                 if self.top is not None:
                     self.top.record(policy, identity, 1)
                 return cached
-            return self.decide(core.hit(policy, identity, 1, keys), True, identity)
-        return self.decide(core.hit(policy, identity, cost), False, identity)
+            return self.steps_of(core.hit_call(policy, identity, 1, keys), True, identity)
+        return self.steps_of(core.hit_call(policy, identity, cost), False, identity)
 
     def peek(self, policy: Policy, identity: Identity, cost: int) -> Steps:
-        return self.decide(self.core.peek(policy, identity, cost))
+        return self.steps_of(self.core.peek_call(policy, identity, cost))
 
     def acquire(self, policy: Policy, identity: Identity, cost: int) -> Call:
         """The call that takes a lease (checked now): ``decide`` it, and give it to
         ``release`` later."""
-        return self.core.acquire(policy, identity, cost)
+        return self.core.acquire_call(policy, identity, cost)
 
     def release(self, acquired: Call, identity: Identity) -> Steps:
         """The steps of giving back the lease ``acquired`` took (``allowed``: it was still
         held)."""
-        return self.decide(self.core.release(acquired, identity))
+        return self.steps_of(self.core.release_call(acquired, identity))
 
     def reserve(self, call: Call) -> Steps:
-        """The steps of the reservation ``call`` (from ``core.reserve``, checked already):
+        """The steps of the reservation ``call`` (from ``core.reserve_call``, checked already):
         its decision and its stamp (None when the store reserved nothing)."""
-        decide = self.decide(call)
+        decide = self.steps_of(call)
         stamp: int | None = None
         try:
             step = next(decide)
@@ -146,11 +146,11 @@ class Path:
 
     def settle(self, reserved: Call, stamp: int | None, actual: int) -> Steps:
         """The steps of settling the reservation ``reserved`` for ``actual``."""
-        return self.decide(self.core.settle(reserved, stamp, actual))
+        return self.steps_of(self.core.settle_call(reserved, stamp, actual))
 
     def charge(self, policy: Policy, identity: Identity, cost: int) -> Steps:
         """The steps of charging ``cost`` whatever the limit."""
-        return self.decide(self.core.charge(policy, identity, cost))
+        return self.steps_of(self.core.charge_call(policy, identity, cost))
 
     def reset(self, policy: Policy, identity: Identity) -> tuple[str, ...]:
         """The keys to delete, with every local trace of them forgotten first."""
@@ -158,7 +158,7 @@ class Path:
         self.guard.forget(keys)
         return keys
 
-    def decide(
+    def steps_of(
         self, call: Call, cache_asked: bool = False, identity: Identity | None = None
     ) -> Steps:
         """The steps of one decision (``cache_asked``: the deny cache was asked already;

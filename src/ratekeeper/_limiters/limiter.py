@@ -276,7 +276,7 @@ class Limiter(LimiterBase[SyncStorage]):
         call = path.acquire(policy, identity, cost)
         return Lease(
             call,
-            self._drive(path.decide(call)),
+            self._drive(path.steps_of(call)),
             lambda taken: bool(self._drive(path.release(taken, identity)).allowed),
         )
 
@@ -303,7 +303,7 @@ class Limiter(LimiterBase[SyncStorage]):
         out leases instead (:meth:`acquire`).
         """
         path = self._path
-        call = self._core.reserve(policy, identity, cost)
+        call = self._core.reserve_call(policy, identity, cost)
         decision, stamp = self._drive(path.reserve(call))
         return Reservation(
             call,
@@ -320,7 +320,7 @@ class Limiter(LimiterBase[SyncStorage]):
         another process or an earlier request, to settle or cancel here (``ratekeeper
         serve``'s ``/settle``); nothing is sent until then."""
         path = self._path
-        call = self._core.reserve(policy, identity, estimate)
+        call = self._core.reserve_call(policy, identity, estimate)
         return Reservation(
             call,
             path.resumed(call),
@@ -477,7 +477,7 @@ class AsyncLimiter(LimiterBase[AsyncStorage]):
             return bool((await self._drive(path.release(taken, identity))).allowed)
 
         async def take() -> AsyncLease:
-            return AsyncLease(call, await self._drive(path.decide(call)), release)
+            return AsyncLease(call, await self._drive(path.steps_of(call)), release)
 
         return Pending(take)
 
@@ -492,7 +492,7 @@ class AsyncLimiter(LimiterBase[AsyncStorage]):
         """:meth:`Limiter.reserve` on asyncio: ``r = await limiter.reserve(...)`` (then
         ``await r.settle(actual)``), or ``async with limiter.reserve(...) as r:``."""
         path = self._path
-        call = self._core.reserve(policy, identity, cost)
+        call = self._core.reserve_call(policy, identity, cost)
 
         async def settle(made: Call, at: int | None, actual: int) -> Decision:
             return await self._drive(path.settle(made, at, actual))  # type: ignore[no-any-return]
@@ -508,7 +508,7 @@ class AsyncLimiter(LimiterBase[AsyncStorage]):
     ) -> AsyncReservation:
         """:meth:`Limiter.resume` on asyncio."""
         path = self._path
-        call = self._core.reserve(policy, identity, estimate)
+        call = self._core.reserve_call(policy, identity, estimate)
 
         async def settle(made: Call, at: int | None, actual: int) -> Decision:
             return await self._drive(path.settle(made, at, actual))  # type: ignore[no-any-return]
