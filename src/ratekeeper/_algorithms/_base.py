@@ -34,11 +34,12 @@ calls wait for it; a counter keeps it up to the largest count its arithmetic hol
 would change no reply: that many entries at one time fill every window until they leave).
 
 A script and its reference differ only where the difference changes no reply and no stored
-state (``tests/test_property.py`` checks both), for the script's speed: each difference is
-written in the script's header and in the reference's module docstring. One difference is the
-backend's, not an algorithm's: the memory keyspace expires keys on the ``now`` of the calls (the
-client's clock when one is given), while a server expires them on its own clock; the margin
-(ARGV 5) keeps every key that much longer than its state, to cover the two clocks' difference.
+state (``tests/algorithms/test_property.py`` checks both), for the script's speed: each
+difference is written in the script's header and in the reference's module docstring. One
+difference is the backend's, not an algorithm's: the memory keyspace expires keys on the ``now``
+of the calls (the client's clock when one is given), while a server expires them on its own
+clock; the margin (ARGV 5) keeps every key that much longer than its state, to cover the two
+clocks' difference.
 """
 
 from __future__ import annotations

@@ -1,0 +1,1 @@
+"""What the tests share: servers, topologies, clocks, proxies, apps and processes."""

@@ -1,0 +1,10 @@
+"""``uvicorn tests.support.django_project.asgi:application``."""
+
+from __future__ import annotations
+
+import os
+
+from django.core.asgi import get_asgi_application
+
+os.environ.setdefault("DJANGO_SETTINGS_MODULE", "tests.support.django_project.settings")
+application = get_asgi_application()

@@ -1,0 +1,10 @@
+"""``gunicorn tests.support.django_project.wsgi:application``."""
+
+from __future__ import annotations
+
+import os
+
+from django.core.wsgi import get_wsgi_application
+
+os.environ.setdefault("DJANGO_SETTINGS_MODULE", "tests.support.django_project.settings")
+application = get_wsgi_application()
