@@ -5,9 +5,10 @@ docstrings as Markdown, without touching the source.
   that links to the object when the reference documents it (an optional cross-reference:
   a target the reference does not render stays plain code, with no warning);
 - a doctest (lines from ``>>>`` to the next blank line) becomes a ``pycon`` code block;
-- a paragraph ending in ``::`` ends in ``:`` and its indented block becomes a code block;
-- an attribute without a docstring takes the ``#:`` comment lines just above it (Sphinx's
-  convention, which the source uses for constants and type aliases).
+- a paragraph ending in ``::`` ends in ``:`` and its indented block becomes a code block.
+
+The ``#:`` comments above constants and type aliases become their docstrings through
+griffe-sphinx, listed before this extension in mkdocs.yml.
 
 mkdocs.yml loads it (``extensions:`` of the Python handler); ``exclude_docs`` keeps it out
 of the site.
@@ -96,22 +97,6 @@ def _blocks(text: str) -> str:
     return "\n".join(out)
 
 
-def _comment_above(obj: griffe.Object) -> str:
-    """The ``#:`` lines right above ``obj``'s first line, without the markers."""
-    if obj.lineno is None or isinstance(obj.filepath, list):
-        return ""
-    try:
-        lines = obj.filepath.read_text(encoding="utf-8").splitlines()
-    except OSError:
-        return ""
-    comment: list[str] = []
-    index = obj.lineno - 2
-    while 0 <= index < len(lines) and lines[index].lstrip().startswith("#:"):
-        comment.insert(0, lines[index].lstrip()[2:].strip())
-        index -= 1
-    return "\n".join(comment)
-
-
 class RestDocstrings(griffe.Extension):
     """Rewrites every docstring of a loaded package (see the module's docstring)."""
 
@@ -122,10 +107,6 @@ class RestDocstrings(griffe.Extension):
         if obj.path in seen:
             return
         seen.add(obj.path)
-        if obj.docstring is None and (obj.is_attribute or obj.is_type_alias):
-            comment = _comment_above(obj)
-            if comment:
-                obj.docstring = griffe.Docstring(comment, parent=obj)
         if obj.docstring is not None:
             value = _blocks(obj.docstring.value)
             obj.docstring.value = _ROLE.sub(lambda m: _role(obj, m), value)
