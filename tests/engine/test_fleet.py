@@ -333,7 +333,7 @@ def test_the_async_share_follows_the_fleet(own_server: RedisServer, key_prefix: 
                     await limiter.hit(POLICY, "warm")
                 for limiter in limiters:
                     assert limiter._guard.fleet is not None
-                    await limiter._guard.fleet.settle()
+                    await limiter._guard.fleet.join()
             assert [lim._guard.fleet and lim._guard.fleet.count for lim in limiters] == [4] * 4
             own_server.kill()
             return [

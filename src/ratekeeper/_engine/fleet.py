@@ -117,7 +117,7 @@ class Fleet:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def settle(self) -> None:
+    async def join(self) -> None:
         """Wait for the heartbeat tasks in flight (for tests, and before closing a storage)."""
         if self._tasks:
             await asyncio.gather(*self._tasks)

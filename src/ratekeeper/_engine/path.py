@@ -63,7 +63,7 @@ class Later:
 
     def __init__(self, steps: Steps, fleet: Fleet) -> None:
         self.steps = steps
-        self.fleet = fleet  # tracks the asyncio driver's task (``Fleet.settle``)
+        self.fleet = fleet  # tracks the asyncio driver's task (``Fleet.join``)
 
 
 #: The steps of one operation: yields ``Call``, ``Run`` or ``Later``, is sent store replies.

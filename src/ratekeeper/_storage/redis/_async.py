@@ -279,7 +279,7 @@ class AsyncRedisStorage:
             await links.run(calls, rerouted, self._node_unreachable)
             await asyncio.gather(*(arun_command_path(self.client, c.exchange) for c in rerouted))
         for call in calls:
-            call.settle()
+            call.deliver()
 
     def _node_unreachable(self) -> None:
         """A node is down or gone: the slot map is learned again before the next batch."""

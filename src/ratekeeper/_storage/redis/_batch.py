@@ -50,7 +50,7 @@ class Pending:
         #: None: the caller reads the exchange itself once its transport returns.
         self.future = future
 
-    def settle(self) -> None:
+    def deliver(self) -> None:
         """Hand the exchange's outcome to the caller (unless it was cancelled meanwhile)."""
         if self.future is None or self.future.done():
             return
@@ -152,7 +152,7 @@ class Batcher:
                         call.fail(exc)
                     continue
                 for call in batch:
-                    call.settle()
+                    call.deliver()
                 stalled = _timed_out(batch) if self._one_server else None
                 if stalled is not None and queue:
                     # Those queued behind it waited for it: they are not sent into the stall.

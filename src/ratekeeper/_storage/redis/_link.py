@@ -301,7 +301,7 @@ class Link:
                         for call in slots[len(replies)]:
                             call.exchange.answered = arrived
                             call.exchange.timed_out(current.late)
-                            call.settle()
+                            call.deliver()
                     elif current.reroute is not None and isinstance(reply, REROUTE):
                         current.reroute.extend(slots[len(replies)])
                     else:
@@ -309,7 +309,7 @@ class Link:
                             exchange = call.exchange
                             exchange.answered = arrived
                             if exchange.replied(reply) == DONE:
-                                call.settle()
+                                call.deliver()
                             else:
                                 current.again.append(call)
                 replies.append(reply)
