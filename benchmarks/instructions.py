@@ -8,7 +8,10 @@ instructions one hit costs the client (start-up, imports and the warm-up cancel 
 one blocking ``Limiter.hit`` at a time, and one ``AsyncLimiter.hit`` awaited at a time with
 batching on and off. ``--baseline REV`` runs the same cases on a checkout of REV (a git worktree
 in a temporary folder) and prints the ratio: a change that only moves code must cost nothing.
-Instruction counts do not depend on the machine's load, so one run is enough.
+The blocking count is the same to a few instructions from run to run; the asyncio ones move by
+a few percent with timing (how often the event loop wakes before a reply is there), so
+``--rounds`` runs every case that many times, the trees alternating, and the table gives the
+medians and the median of the per-round ratios.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -30,23 +34,28 @@ CASES = ("blocking", "asyncio batched", "asyncio unbatched")
 CHILD = """
 import asyncio, sys
 sys.path.insert(0, {src!r})
-sys.path.insert(0, {benchmarks!r})
-from _harness import store_only
 import ratekeeper
 assert ratekeeper.__file__.startswith({src!r}), ratekeeper.__file__
-from ratekeeper import AsyncLimiter, Limiter, Policy
+from ratekeeper import AsyncLimiter, CircuitBreaker, Limiter, Policy
 
+# Only public names, so that any revision runs it: every decision from the store (as
+# _harness.store_only, whose import would need this tree's private modules).
+never = 2**31
+options = dict(
+    failure_mode="raise", timeout=10.0, connect_timeout=10.0, deny_cache=0,
+    breaker=CircuitBreaker(min_calls=never, consecutive_failures=never),
+)
 case, url, hits = {case!r}, {url!r}, {hits}
 policy = Policy("bench", "1000000000/hour", "sliding_window")
 identities = [f"user:{{i}}" for i in range(64)]
 if case == "blocking":
-    with Limiter.from_url(url, **store_only()) as limiter:
+    with Limiter.from_url(url, **options) as limiter:
         for i in range(200 + hits):
             assert limiter.hit(policy, identities[i % 64]).allowed
 else:
     async def main():
         async with AsyncLimiter.from_url(
-            url, batching=case.endswith(" batched"), **store_only()
+            url, batching=case.endswith(" batched"), **options
         ) as limiter:
             for i in range(200 + hits):
                 assert (await limiter.hit(policy, identities[i % 64])).allowed
@@ -56,9 +65,7 @@ else:
 
 def instructions(src: Path, case: str, url: str, hits: int) -> int:
     """The instructions a child running ``hits`` hits (after the warm-up) executes."""
-    child = CHILD.format(
-        src=str(src), benchmarks=str(ROOT / "benchmarks"), case=case, url=url, hits=hits
-    )
+    child = CHILD.format(src=str(src), case=case, url=url, hits=hits)
     done = subprocess.run(
         [*VALGRIND, sys.executable, "-c", child],
         capture_output=True,
@@ -80,6 +87,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--hits", type=int, default=2000)
     parser.add_argument("--baseline", help="a git revision to compare with")
+    parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
     trees = {"this tree": ROOT / "src"}
     with tempfile.TemporaryDirectory() as scratch, Server(find_binary()) as server:
@@ -101,12 +109,14 @@ def main() -> None:
             )
             trees = {args.baseline: checkout / "src", **trees}
         try:
-            rows = {
-                case: {
-                    name: per_hit(tree, case, server.url, args.hits) for name, tree in trees.items()
-                }
-                for case in CASES
+            rows: dict[str, dict[str, list[float]]] = {
+                case: {name: [] for name in trees} for case in CASES
             }
+            for round_ in range(args.rounds):
+                order = list(trees.items())[:: 1 if round_ % 2 == 0 else -1]
+                for case in CASES:
+                    for name, tree in order:
+                        rows[case][name].append(per_hit(tree, case, server.url, args.hits))
         finally:
             if args.baseline:
                 subprocess.run(
@@ -114,10 +124,18 @@ def main() -> None:
                     check=True,
                 )
     names = list(trees)
-    print(f"instructions per hit ({args.hits} hits, callgrind): " + " | ".join(names))
+    print(
+        f"instructions per hit ({args.hits} hits, callgrind, medians of {args.rounds} rounds): "
+        + " | ".join(names)
+    )
     for case, row in rows.items():
-        cells = "  ".join(f"{row[name]:>10,.0f}" for name in names)
-        ratio = f"  {row[names[-1]] / row[names[0]]:.4f}x" if len(names) == 2 else ""
+        cells = "  ".join(f"{statistics.median(row[name]):>10,.0f}" for name in names)
+        ratio = ""
+        if len(names) == 2:
+            ratios = [new / old for old, new in zip(row[names[0]], row[names[1]], strict=True)]
+            ratio = (
+                f"  {statistics.median(ratios):.4f}x (rounds {min(ratios):.4f}-{max(ratios):.4f})"
+            )
         print(f"{case:<18} {cells}{ratio}")
 
 

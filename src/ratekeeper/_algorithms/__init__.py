@@ -1,4 +1,12 @@
-"""The algorithm registry. The shared call format is documented in ``_base``."""
+"""The algorithms: each as a Lua script (``lua/<name>.lua``) and its Python reference, and the
+registry of them.
+
+Its modules: ``_base`` (the shared call format, documented there), one module per algorithm
+(``sliding_log``, ``sliding_window``, ``fixed_window``, ``gcra``, ``concurrency``) and per other
+script (``fleet``, ``top``), ``policy`` (``Policy``: rates enforced with one algorithm, checked
+against it), ``keyspace`` (the keys a Python reference reads and writes) and ``scripts`` (the
+Lua sources, loaded once with their SHA1).
+"""
 
 from __future__ import annotations
 

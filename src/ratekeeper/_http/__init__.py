@@ -26,7 +26,8 @@ no I/O), ``_steps`` (what it yields and returns), ``_drivers`` (running it, bloc
 asyncio), ``_streams`` (bodies that settle before their last chunk), ``_middleware`` (what the
 ASGI and WSGI middlewares share), ``_nested`` (several limiters on one request: a decorator
 or dependency behind a middleware, one set of headers) and ``_workers`` (``memory://`` under
-several workers). The request view is ``ratekeeper._http._request``.
+several workers), ``_request`` (the request view every integration builds) and ``_identity``
+(the key functions; ``ratekeeper.identity`` is their public face).
 """
 
 from __future__ import annotations
