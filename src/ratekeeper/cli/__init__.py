@@ -2,8 +2,9 @@
 ``_demo`` (``demo``), ``_bench`` (``bench``), ``_admin`` (``peek``, ``hit``, ``reset``,
 ``keys``), ``_top`` (``top``) and ``_serve`` (``serve``, with ``_serve_options``), on the
 options they share (``_options``). What a command does, apart from its options and output, is
-in a tool module: ``_admin_ops`` (open a limiter, decide or reset identities), ``_bench_ops`` (the benchmark, with ``_histogram``), ``_demo_ops`` (the
-simulated clients) and ``_demo_app`` (the sample API of ``demo --serve``)."""
+in a tool module: ``_admin_ops`` (open a limiter, decide or reset identities), ``_bench_ops``
+(the benchmark, with ``_histogram``), ``_demo_ops`` (the simulated clients) and ``_demo_app``
+(the sample API of ``demo --serve``)."""
 
 from __future__ import annotations
 
