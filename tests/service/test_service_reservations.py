@@ -215,6 +215,8 @@ def test_bad_settles_are_refused(tmp_path: Path, redis_url: str) -> None:
             token = await reserve("u1")
             malformed: list[Any] = [
                 b"{not json",
+                b"[" * 100_000 + b"]" * 100_000,  # deeper than the JSON parser recurses
+                b'{"reservation": ' + b"[" * 100_000,
                 [token, 1],
                 {"actual": 1},
                 {"reservation": "", "actual": 1},

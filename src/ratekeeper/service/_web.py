@@ -179,6 +179,8 @@ def _settle_request(body: bytes) -> tuple[str, int | None]:
         data = json.loads(body)
     except (ValueError, UnicodeDecodeError) as exc:
         raise BadRequest(f"not JSON: {exc}") from None
+    except RecursionError:  # nested deeper than the parser recurses: no token is
+        raise BadRequest("not JSON this service reads: nested too deep") from None
     if not isinstance(data, dict):
         raise BadRequest('expected an object: {"reservation": token, "actual": N}')
     unknown = sorted(set(data) - {"reservation", "actual", "cancel"})
