@@ -381,6 +381,7 @@ def test_the_key_from_the_environment(tmp_path: Path, redis_url: str) -> None:
         "--timeout", str(STORE_TIMEOUT), env=env,
     ) as server:  # fmt: skip
         server.wait_for("ready")
+        assert not [line for line in server.seen if "no reservation key" in line]
         token = Tokens(KEY.encode()).issue(
             "llm", [("tokens", "env")], None, rule.policy.name, 5, None
         )
@@ -395,6 +396,21 @@ def test_the_key_from_the_environment(tmp_path: Path, redis_url: str) -> None:
     )  # fmt: skip
     assert short.returncode == 2
     assert "at least 16 characters" in short.stderr
+
+
+def test_a_drawn_key_is_logged(tmp_path: Path, redis_url: str) -> None:
+    """Without a key, serve draws one and says so once, before it is ready: replicas started
+    so refuse each other's tokens, which must not be a silent surprise."""
+    config = write(tmp_path / "llm.yaml", CONFIG)
+    env = {"RATEKEEPER_SERVE_RESERVATION_KEY": ""}
+    with serve_process(
+        "--config", str(config), "--storage", redis_url, "--host", "127.0.0.1",
+        "--grpc-port", "0", "--http-port", str(free_port()), env=env,
+    ) as server:  # fmt: skip
+        server.wait_for("ready")
+        warned = [line for line in server.seen if "no reservation key" in line]
+        assert len(warned) == 1, server.seen
+        assert "give every replica the same key" in warned[0]
 
 
 # --- charge_over_limit over gRPC ------------------------------------------------------------

@@ -394,9 +394,16 @@ def _worker_main(options: ServeOptions, metrics_dir: str | None = None) -> None:
 def serve(options: ServeOptions) -> int:
     """Run the server in this process (one worker) or in ``workers`` child processes; the
     exit status. The configuration is loaded once here first, so a bad file stops it before
-    any port is bound. Without a ``reservation_key``, one is drawn here, for every worker."""
+    any port is bound. Without a ``reservation_key``, one is drawn here, for every worker, and
+    a warning says so: another replica would refuse this one's tokens."""
     if options.reservation_key is None:
         options = replace(options, reservation_key=secrets.token_urlsafe(32))
+        configure_logging(options.log_level, options.log_format)
+        log.warning(
+            "no reservation key given (--reservation-key or RATEKEEPER_SERVE_RESERVATION_KEY): "
+            "this run drew its own, so the tokens /reserve answers settle only on its workers; "
+            "give every replica the same key"
+        )
     if options.workers == 1:
         single_process_metrics()  # a user's PROMETHEUS_MULTIPROC_DIR is not ours to write
         _worker_main(options)
