@@ -82,31 +82,67 @@ def test_asgi_rule_charges_what_a_function_of_the_response_returns() -> None:
     assert "ratekeeper" in seen[0].state  # the request's state, where handlers write
 
 
-def test_a_reported_cost_that_is_not_a_count_is_the_handlers_bug() -> None:
-    """A function returning "700" (a str): a TypeError naming the policy reaches the caller,
-    and the estimate stays charged (never fewer counted than reserved)."""
+#: Reported costs that are not a whole number from 0 to 2**53, as handlers get them wrong.
+BAD_COSTS = [3.5, -5, "300", True, 2**53 + 1]
+
+
+@pytest.mark.parametrize("bad", BAD_COSTS, ids=repr)
+def test_a_bad_reported_cost_keeps_the_estimate_and_the_response_completes(
+    bad: object, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A handler streams its body and stores a bad cost in ``request.state`` (ASGI): every
+    chunk reaches the client, the estimate stays charged, and one warning names the route and
+    the policy, however many requests repeat it."""
     from ratekeeper.asgi import RateLimitMiddleware, Rule
 
     limiter = AsyncLimiter.from_url("memory://", clock=ManualClock(START))
 
     async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
         await send({"type": "http.response.start", "status": 200, "headers": []})
-        await send({"type": "http.response.body", "body": b"ok"})
+        for chunk in (b"to", b"be"):
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        scope["state"]["ratekeeper_cost"] = bad  # request.state.ratekeeper_cost = bad
+        await send({"type": "http.response.body", "body": b"!"})
 
     limited = RateLimitMiddleware(
-        app,
-        limiter=limiter,
-        rules=[Rule("/v1/chat", TOKENS, cost=200, reported_cost=lambda response: "700")],
+        app, limiter=limiter, rules=[Rule("/v1/*", TOKENS, cost=200, reported_cost=True)]
     )
 
     async def main() -> None:
         async with asgi_client(limited) as http:
-            with pytest.raises(TypeError, match=r"reported_cost of policy 'tokens'.*'700'"):
-                await http.post("/v1/chat")
-        assert (await limiter.peek(TOKENS, "ip:203.0.113.7")).remaining == 800
+            replies = [await http.post("/v1/chat") for _ in range(2)]
+        assert [(r.status_code, r.content) for r in replies] == [(200, b"tobe!")] * 2
+        assert (await limiter.peek(TOKENS, "ip:203.0.113.7")).remaining == 600
         await limiter.close()
 
-    asyncio.run(main())
+    with caplog.at_level("WARNING", logger="ratekeeper"):
+        asyncio.run(main())
+    warned = [r.getMessage() for r in caplog.records if "reported cost" in r.getMessage()]
+    assert len(warned) == 1, warned
+    assert "route /v1/*, policy 'tokens'" in warned[0]
+    assert repr(bad) in warned[0]
+
+
+@pytest.mark.parametrize("bad", BAD_COSTS, ids=repr)
+def test_a_bad_reported_cost_under_wsgi_keeps_the_estimate(bad: object) -> None:
+    """The same under the WSGI middleware, from a function of the response."""
+    from ratekeeper.wsgi import RateLimitMiddleware, Rule
+
+    limiter = _blocking()
+
+    def app(environ: dict[str, Any], start_response: Any) -> Any:
+        start_response("200 OK", [("Content-Type", "text/plain")])
+        return iter([b"to", b"be"])
+
+    limited = RateLimitMiddleware(
+        app,
+        limiter=limiter,
+        rules=[Rule("/v1/chat", TOKENS, cost=200, reported_cost=lambda response: bad)],
+    )
+    with _wsgi_client(limited) as http:
+        reply = http.post("/v1/chat")
+    assert (reply.status_code, reply.content) == (200, b"tobe")
+    assert limiter.peek(TOKENS, "ip:203.0.113.7").remaining == 800
 
 
 def test_reported_cost_choices_are_checked_at_configuration() -> None:

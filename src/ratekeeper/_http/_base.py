@@ -7,15 +7,11 @@ import inspect
 import logging
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 from .._algorithms.policy import Policy
 from .._model.decision import Decision
 from ._request import Request
-
-if TYPE_CHECKING:
-    pass
-
 
 log = logging.getLogger("ratekeeper")
 

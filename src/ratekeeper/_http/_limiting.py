@@ -4,14 +4,16 @@
 from __future__ import annotations
 
 import inspect
+import logging
 import re
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from .._algorithms.policy import Policy
 from .._model.decision import Decision
 from .._model.errors import ConfigError
+from .._model.rates import MAX_INT
 from ._base import (
     MISSING_IDENTITY,
     PREFLIGHT,
@@ -35,8 +37,7 @@ from ._request import Request
 from ._rules import Rule, anonymous_identity, is_preflight, make_rules
 from ._steps import Admission, Charge, Settle, Steps, StoreCall
 
-if TYPE_CHECKING:
-    pass
+log = logging.getLogger("ratekeeper")
 
 
 # --- the decision for a request ---------------------------------------------------------------
@@ -118,6 +119,7 @@ class Limiting:
         "_compiled",
         "_key",
         "_peer",
+        "_warned_costs",
         "asynchronous",
         "denied",
         "enabled",
@@ -182,6 +184,8 @@ class Limiting:
             raise ConfigError("the middleware needs a policy, or rules with policies")
         self.asynchronous = asynchronous
         self._peer = client_ip()
+        #: (route, policy) whose bad reported cost was logged already.
+        self._warned_costs: set[tuple[str, str]] = set()
         self.key = key if key is not None else self._peer
         self._key = _choice(self.key, "key", asynchronous)
         self._compiled = tuple(
@@ -322,7 +326,9 @@ class Limiting:
                 return found
             if found is not None:
                 if compiled.rule.reported_cost is not False:
-                    found = replace(found, reported=compiled.rule.reported_cost)
+                    path = compiled.rule.path
+                    route = path if isinstance(path, str) else path.pattern
+                    found = replace(found, reported=compiled.rule.reported_cost, route=route)
                 charges.append(found)
         if self._application is not None:
             found = yield from self._charge(
@@ -407,13 +413,14 @@ class Limiting:
         """Whether the driver must call :meth:`finish` when the response ends."""
         return any(charge.reported is not False for charge in admission.deferred)
 
-    @staticmethod
-    def finish(admission: Admission, response: Any, stored: Any) -> Steps:
+    def finish(self, admission: Admission, response: Any, stored: Any) -> Steps:
         """Once the response's last chunk is ready: settle the reservations of
         ``reported_cost`` rules to the cost reported, ``stored`` (what the handler stored
         under ``COST_KEY``) for ``reported_cost=True``, else the rule's function of
         ``response``. None (nothing reported) keeps the estimate. A reported cost that is not
-        an int >= 0 is the handler's bug: a TypeError naming the policy."""
+        a whole number from 0 to 2**53 is the handler's bug, found as the response ends: the
+        estimate stays charged and a warning names the route and the policy (once per rule
+        and policy), and the response completes (raising here would cut it short)."""
         for charge, reservation in zip(admission.deferred, admission.reserved, strict=True):
             reported = charge.reported
             if reported is False or not reservation.held:
@@ -422,13 +429,30 @@ class Limiting:
             if actual is None:
                 reservation.keep()
                 continue
-            if isinstance(actual, bool) or not isinstance(actual, int) or actual < 0:
+            if (
+                isinstance(actual, bool)
+                or not isinstance(actual, int)
+                or not 0 <= actual <= MAX_INT
+            ):
                 reservation.keep()
-                raise TypeError(
-                    f"reported_cost of policy {charge.policy.name!r}: the cost must be an int "
-                    f">= 0 (or None to keep the estimate), got {actual!r}"
-                )
+                self._bad_cost(charge, actual)
+                continue
             yield Settle(reservation, actual)
+
+    def _bad_cost(self, charge: Charge, actual: object) -> None:
+        """Log a bad reported cost, once per route and policy."""
+        warned = (charge.route, charge.policy.name)
+        if warned in self._warned_costs:
+            return
+        self._warned_costs.add(warned)  # bounded: one entry per rule and policy
+        log.warning(
+            "ratekeeper: route %s, policy %r: the reported cost must be a whole number from 0 "
+            "to 2**53 (or None to keep the estimate), got %r; the estimate stays charged "
+            "(said once for this route and policy)",
+            charge.route,
+            charge.policy.name,
+            actual,
+        )
 
     def _passed(self, decisions: Sequence[Decision]) -> list[tuple[str, str]]:
         # Passed on (allowed, or shadow mode): no Retry-After, the client need not wait.
@@ -439,3 +463,8 @@ class Limiting:
         status, extra, body = self.denied(denial, request)
         response = (status, with_length(merge_headers(extra, headers), body), body)
         return Admission(tuple(d for d in decisions if d.allowed), headers, response)
+
+
+def _is_cost(value: object) -> bool:
+    """Whether ``value`` is a cost a handler may report: a whole number from 0 to 2**53."""
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_INT

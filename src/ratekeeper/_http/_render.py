@@ -6,15 +6,11 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from .._model.decision import Decision
 from ._base import MISSING_IDENTITY_DETAIL
 from ._request import Request
-
-if TYPE_CHECKING:
-    pass
-
 
 # --- rendering --------------------------------------------------------------------------------
 

@@ -8,16 +8,12 @@ from collections.abc import Iterable, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from fnmatch import fnmatchcase
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from .._algorithms.policy import Policy
 from .._model.errors import ConfigError
 from ._base import CostChoice, DeductWhen, KeyChoice, PolicyChoice, ReportedCost, _is_async
 from ._request import Request
-
-if TYPE_CHECKING:
-    pass
-
 
 #: The methods of the IANA HTTP Method Registry, and PURGE (caches): what a rule may name.
 HTTP_METHODS = frozenset(

@@ -52,6 +52,8 @@ class Charge:
     shadow: bool
     deduct_when: DeductWhen | None = None
     reported: ReportedCost = False
+    #: The rule's path (its glob, or its regular expression's pattern), for messages.
+    route: str = ""
 
     @property
     def deferred(self) -> bool:

@@ -46,15 +46,12 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from hashlib import blake2b
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any, Final
+from typing import Any, Final
 
 from .._algorithms import ALGORITHMS
 from .._algorithms.policy import Policy
 from .._model.errors import ConfigError
 from .._model.rates import Rate
-
-if TYPE_CHECKING:
-    pass
 
 __all__ = [
     "MAX_NODES",

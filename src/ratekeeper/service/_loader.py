@@ -20,7 +20,7 @@ import os
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any, cast
 
 import yaml
 from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
@@ -36,9 +36,6 @@ from ._config import (
 )
 from ._rule_nodes import RATE_LIMIT_EXTENSIONS, RATE_LIMIT_KEYS, Domain, RuleNodes
 from ._yaml_nodes import COMPOSER, NULL, kind, read
-
-if TYPE_CHECKING:
-    pass
 
 __all__ = ["UPSTREAM_LENIENT", "UpstreamLenient", "check_config", "load_config"]
 
