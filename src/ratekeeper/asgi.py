@@ -215,6 +215,21 @@ class RateLimitMiddleware(Middleware[ASGIApp, AsyncLimiter]):
 
         reported = self.limiting.reports(admission)
         start: Message = {}
+        finished = False
+
+        async def finish(complete: bool) -> None:
+            nonlocal finished
+            finished = True
+            response = ResponseView(
+                int(start["status"]),
+                {
+                    name.decode("latin-1").lower(): value.decode("latin-1")
+                    for name, value in start.get("headers", ())
+                },
+                state,
+            )
+            steps = self.limiting.finish(admission, response, state.get(COST_KEY), complete)
+            await drive_async(steps, self.limiter)
 
         async def wrapped(message: Message) -> None:
             nonlocal start
@@ -231,16 +246,7 @@ class RateLimitMiddleware(Middleware[ASGIApp, AsyncLimiter]):
             elif reported and kind == "http.response.body" and not message.get("more_body"):
                 # The last chunk: the cost the handler reported is settled before the client
                 # can see the end (and send its next request).
-                response = ResponseView(
-                    int(start["status"]),
-                    {
-                        name.decode("latin-1").lower(): value.decode("latin-1")
-                        for name, value in start.get("headers", ())
-                    },
-                    state,
-                )
-                steps = self.limiting.finish(admission, response, state.get(COST_KEY))
-                await drive_async(steps, self.limiter)
+                await finish(True)
             await send(message)
 
         try:
@@ -249,6 +255,11 @@ class RateLimitMiddleware(Middleware[ASGIApp, AsyncLimiter]):
             if not settled:
                 await settle(500)
             raise
+        finally:
+            if reported and start and not finished:
+                # Abandoned before its last chunk (the client went away, and the app stopped
+                # or its send failed): what was reported so far, or the estimate if more.
+                await finish(False)
 
 
 #: Header names as ASGI sends them (lower-case bytes): the same few on every response.

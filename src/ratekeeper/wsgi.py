@@ -153,8 +153,8 @@ class RateLimitMiddleware(Middleware[WSGIApp, Limiter]):
         if not self.limiting.reports(admission):
             return body
 
-        def finish() -> None:
-            steps = self.limiting.finish(admission, response, environ.get(COST_KEY))
+        def finish(complete: bool) -> None:
+            steps = self.limiting.finish(admission, response, environ.get(COST_KEY), complete)
             drive_sync(steps, self.limiter)
 
         return LastChunk(body, finish)
@@ -169,11 +169,12 @@ def _settle_reported(
 
     environ = flask.request.environ
 
-    def finish() -> None:
-        drive_sync(limiting.finish(admission, response, environ.get(COST_KEY)), limiter)
+    def finish(complete: bool) -> None:
+        steps = limiting.finish(admission, response, environ.get(COST_KEY), complete)
+        drive_sync(steps, limiter)
 
     if response.is_sequence:
-        finish()
+        finish(True)
     else:
         response.response = LastChunk(response.response, finish)
 

@@ -203,14 +203,19 @@ def test_wsgi_rule_settles_a_streamed_body_before_its_last_chunk(form: str) -> N
     assert closed == [True, True]
 
 
-def test_wsgi_body_not_read_to_its_end_keeps_the_estimate() -> None:
+@pytest.mark.parametrize(("reported", "remaining"), [(700, 300), (90, 800), (None, 800)])
+def test_a_wsgi_body_not_read_to_its_end_is_charged_what_was_reported(
+    reported: int | None, remaining: int
+) -> None:
+    """The client goes away after the first chunk and the server closes the body: charged
+    what was reported so far (700), or the estimate (200) if that is more (90, or nothing)."""
     from ratekeeper.wsgi import RateLimitMiddleware, Rule
 
     limiter = _blocking()
 
     def app(environ: dict[str, Any], start_response: Any) -> Any:
         start_response("200 OK", [])
-        environ["ratekeeper_cost"] = 700
+        environ["ratekeeper_cost"] = reported
         return iter([b"to", b"be"])
 
     limited = RateLimitMiddleware(
@@ -220,7 +225,88 @@ def test_wsgi_body_not_read_to_its_end_keeps_the_estimate() -> None:
     body = limited(environ, lambda status, headers, exc_info=None: None)
     assert next(iter(body)) == b"to"  # the client went away after the first chunk
     body.close()  # type: ignore[attr-defined]
-    assert limiter.peek(TOKENS, "ip:203.0.113.7").remaining == 800
+    assert limiter.peek(TOKENS, "ip:203.0.113.7").remaining == remaining
+    body.close()  # type: ignore[attr-defined]  # a second close charges nothing more
+    assert limiter.peek(TOKENS, "ip:203.0.113.7").remaining == remaining
+
+
+@pytest.mark.parametrize("leaves", ["app stops", "send fails"])
+@pytest.mark.parametrize(("per_chunk", "remaining"), [(10, 910), (3, 950)])
+def test_an_abandoned_asgi_stream_is_charged_what_was_reported(
+    leaves: str, per_chunk: int, remaining: int
+) -> None:
+    """Estimate 50; the handler reports its running cost after each of 9 chunks of 10, then
+    the client leaves (the app stops, as Starlette's streams do on a disconnect, or the
+    server's send fails): charged 90, what was reported; with 3 a chunk (27 reported), the
+    estimate, 50, which is more."""
+    from ratekeeper.asgi import RateLimitMiddleware, Rule
+
+    limiter = AsyncLimiter.from_url("memory://", clock=ManualClock(START))
+    sent: list[dict[str, Any]] = []
+
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        for chunk in range(1, 10):
+            scope["state"]["ratekeeper_cost"] = chunk * per_chunk
+            await send({"type": "http.response.body", "body": b"x", "more_body": True})
+
+    async def send(message: dict[str, Any]) -> None:
+        if leaves == "send fails" and len(sent) == 9:
+            raise OSError("the client went away")
+        sent.append(message)
+
+    async def receive() -> dict[str, Any]:
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    limited = RateLimitMiddleware(
+        app, limiter=limiter, rules=[Rule("/v1/chat", TOKENS, cost=50, reported_cost=True)]
+    )
+    scope = {
+        "type": "http", "method": "POST", "path": "/v1/chat", "headers": [],
+        "client": ("203.0.113.7", 5000), "state": {},
+    }  # fmt: skip
+
+    async def main() -> None:
+        try:
+            await limited(scope, receive, send)
+        except OSError:
+            assert leaves == "send fails"
+        assert (await limiter.peek(TOKENS, "ip:203.0.113.7")).remaining == remaining
+        await limiter.close()
+
+    asyncio.run(main())
+    assert len(sent) == (10 if leaves == "app stops" else 9)  # the start and the chunks sent
+    assert all(m.get("more_body") for m in sent[1:])  # never a last one
+
+
+def test_an_async_body_closed_before_its_last_chunk_says_so() -> None:
+    """Django's async streamed bodies: ``finish(True)`` before the last chunk when read to the
+    end, ``finish(False)`` when closed before it (the server's ``aclose``), once either way."""
+    from ratekeeper._http import last_chunk_async
+
+    async def chunks() -> Any:
+        for chunk in (b"a", b"b", b"c"):
+            yield chunk
+
+    async def main() -> tuple[list[bool], list[bool]]:
+        calls: dict[str, list[bool]] = {"read": [], "left": []}
+
+        async def finish_for(name: str, complete: bool) -> None:
+            calls[name].append(complete)
+
+        async def read(complete: bool) -> None:
+            await finish_for("read", complete)
+
+        async def left(complete: bool) -> None:
+            await finish_for("left", complete)
+
+        assert [c async for c in last_chunk_async(chunks(), read)] == [b"a", b"b", b"c"]
+        body = last_chunk_async(chunks(), left)
+        assert await anext(body) == b"a"
+        await body.aclose()
+        return calls["read"], calls["left"]
+
+    assert asyncio.run(main()) == ([True], [False])
 
 
 # --- Flask ------------------------------------------------------------------------------------

@@ -413,14 +413,21 @@ class Limiting:
         """Whether the driver must call :meth:`finish` when the response ends."""
         return any(charge.reported is not False for charge in admission.deferred)
 
-    def finish(self, admission: Admission, response: Any, stored: Any) -> Steps:
+    def finish(
+        self, admission: Admission, response: Any, stored: Any, complete: bool = True
+    ) -> Steps:
         """Once the response's last chunk is ready: settle the reservations of
         ``reported_cost`` rules to the cost reported, ``stored`` (what the handler stored
         under ``COST_KEY``) for ``reported_cost=True``, else the rule's function of
         ``response``. None (nothing reported) keeps the estimate. A reported cost that is not
         a whole number from 0 to 2**53 is the handler's bug, found as the response ends: the
         estimate stays charged and a warning names the route and the policy (once per rule
-        and policy), and the response completes (raising here would cut it short)."""
+        and policy), and the response completes (raising here would cut it short).
+
+        ``complete=False``: the response was abandoned before its last chunk (the client
+        went away). What was reported so far is charged, or the estimate if that is more:
+        the work the estimate admitted may be done whether or not the client read it, and
+        leaving early must not cost less than staying."""
         for charge, reservation in zip(admission.deferred, admission.reserved, strict=True):
             reported = charge.reported
             if reported is False or not reservation.held:
@@ -436,6 +443,9 @@ class Limiting:
             ):
                 reservation.keep()
                 self._bad_cost(charge, actual)
+                continue
+            if not complete and actual <= charge.cost:
+                reservation.keep()  # abandoned: the estimate, which is more
                 continue
             yield Settle(reservation, actual)
 

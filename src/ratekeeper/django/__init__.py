@@ -128,22 +128,26 @@ def _run_sync(
         if limiting.reports(admission):
             steps = _finish(limiting, admission, request, response)
             if isinstance(response, StreamingHttpResponse):
-                _finish_streamed(response, lambda: drive_sync(steps(), limiter))
+                _finish_streamed(response, lambda complete: drive_sync(steps(complete), limiter))
             else:
-                drive_sync(steps(), limiter)
+                drive_sync(steps(True), limiter)
     return _with_headers(limiting, request, response, admission, headers)
 
 
 def _finish(
     limiting: Limiting, admission: Admission, request: HttpRequest, response: HttpResponseBase
-) -> Callable[[], Steps]:
+) -> Callable[[bool], Steps]:
     """The steps that settle a ``reported_cost`` charge: the cost the view stored in
-    ``request.ratekeeper_cost``, or the rule's function of the response."""
-    return lambda: limiting.finish(admission, response, getattr(request, "ratekeeper_cost", None))
+    ``request.ratekeeper_cost``, or the rule's function of the response (``complete``: the
+    last chunk was reached, else the response was abandoned)."""
+    return lambda complete: limiting.finish(
+        admission, response, getattr(request, "ratekeeper_cost", None), complete
+    )
 
 
-def _finish_streamed(response: StreamingHttpResponse, finish: Callable[[], Any]) -> None:
-    """Settle before the streamed body's last chunk is sent (``finish`` is sync)."""
+def _finish_streamed(response: StreamingHttpResponse, finish: Callable[[bool], Any]) -> None:
+    """Settle before the streamed body's last chunk is sent, or when it is closed before it
+    (``finish`` is sync)."""
     response.streaming_content = LastChunk(response.streaming_content, finish)
 
 
@@ -183,15 +187,15 @@ async def _run_async(
         if limiting.reports(admission):
             steps = _finish(limiting, admission, request, response)
 
-            async def finish() -> None:
-                await drive(steps())
+            async def finish(complete: bool) -> None:
+                await drive(steps(complete))
 
             if not isinstance(response, StreamingHttpResponse):
-                await finish()
+                await finish(True)
             elif response.is_async:
                 response.streaming_content = last_chunk_async(response.streaming_content, finish)
             elif isinstance(request, WSGIRequest):  # read by the WSGI server, blocking limiter
-                _finish_streamed(response, lambda: drive_sync(steps(), limiter))
+                _finish_streamed(response, lambda complete: drive_sync(steps(complete), limiter))
             else:  # Django under ASGI reads a sync body in a thread (sync_to_async)
                 _finish_streamed(response, async_to_sync(finish))
     return _with_headers(limiting, request, response, admission, headers)
