@@ -6,6 +6,7 @@ clock), global shadow mode, response dynamic metadata and charged denials."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import textwrap
 import time
 from collections.abc import Awaitable, Callable
@@ -15,10 +16,12 @@ from typing import Any
 import pytest
 from google.protobuf import json_format
 
-from ratekeeper import AsyncLimiter
+from ratekeeper import AsyncLimiter, StorageError
 from ratekeeper.service._decide import Decider, set_duration
 from ratekeeper.service._loader import load_config
+from ratekeeper.service._tokens import TokenRefused, Tokens
 from ratekeeper.service.rls_pb2 import RateLimitDescriptor, RateLimitRequest, RateLimitResponse
+from ratekeeper.testing import AsyncFlakyStorage
 
 from ..support.servers import RedisServer
 
@@ -307,3 +310,140 @@ def test_charged_denials_count_as_upstream(tmp_path: Path, redis_url: str) -> No
         ) == [("OVER_LIMIT", 0)]
 
     decide(tmp_path, redis_url, test)
+
+
+# --- reservations: a token settles once, whatever the failure mode; bounded cancels --------
+
+RESERVE_CONFIG = """
+domain: d
+descriptors:
+  - key: user
+    rate_limit: {unit: hour, requests_per_unit: 100}
+  - key: tight
+    rate_limit: {unit: hour, requests_per_unit: 1}
+"""
+
+
+def flaky_decider(tmp_path: Path, failure_mode: str, **limiter: Any) -> tuple[Any, Decider]:
+    path = tmp_path / "config.yaml"
+    path.write_text(textwrap.dedent(RESERVE_CONFIG), encoding="utf-8")
+    store = AsyncFlakyStorage()
+    limiter_ = AsyncLimiter(store, clock=store.clock, failure_mode=failure_mode, **limiter)  # type: ignore[arg-type]
+    tokens = Tokens(b"k" * 32, 60)
+    return store, Decider(limiter_, load_config(path), tokens=tokens)  # type: ignore[arg-type]
+
+
+def reserve_request(*entries: tuple[str, str], hits: int) -> RateLimitRequest:
+    """``entries``, each its own descriptor, for ``hits`` each (0: a peek)."""
+    message = request(*entries)
+    for descriptor in message.descriptors:
+        descriptor.hits_addend.value = hits
+    return message
+
+
+@pytest.mark.parametrize("failure_mode", ["open", "local", "closed", "raise"])
+def test_a_settle_whose_mark_the_store_did_not_answer_changes_nothing(
+    tmp_path: Path, failure_mode: str
+) -> None:
+    """Reserve 10 of 100, settle for 0 while the store fails: under every failure mode each
+    of 4 settles is refused with StorageError (HTTP 503) and refunds nothing (before issue
+    #32, open and local refunded every replay: the degraded mark read as "not settled yet").
+    Once the store is back, the token settles once, then 409."""
+    store, decider = flaky_decider(tmp_path, failure_mode)
+
+    async def remaining() -> int:
+        answer = await decider.should_rate_limit(reserve_request(("user", "u"), hits=0))
+        return answer.statuses[0].limit_remaining
+
+    async def run() -> None:
+        _, tokens = await decider.reserve(reserve_request(("user", "u"), hits=10))
+        token = tokens[0]
+        assert await remaining() == 90
+        store.sync.down = True
+        for _ in range(4):
+            with pytest.raises(StorageError):
+                await decider.settle(token, 0)
+        store.sync.down = False
+        assert await remaining() == 90  # nothing refunded
+        settled = await decider.settle(token, 0)
+        assert settled.statuses[0].limit_remaining == 100
+        for actual in (0, None):
+            with pytest.raises(TokenRefused) as refused:
+                await decider.settle(token, actual)
+            assert refused.value.status == 409
+        assert await remaining() == 100
+
+    asyncio.run(run())
+
+
+def test_a_settle_with_the_breaker_open_changes_nothing(tmp_path: Path) -> None:
+    """The breaker opens while the store is down: its answers are degraded too, so 503."""
+    store, decider = flaky_decider(tmp_path, "open")
+
+    async def run() -> None:
+        _, tokens = await decider.reserve(reserve_request(("user", "b"), hits=5))
+        store.sync.down = True
+        for _ in range(20):  # enough failures to open it
+            await decider.should_rate_limit(reserve_request(("user", "other"), hits=1))
+        calls = store.sync.calls
+        with pytest.raises(StorageError, match="could not mark the reservation settled"):
+            await decider.settle(tokens[0], 0)
+        assert store.sync.calls == calls  # answered by the open breaker, not the store
+
+    asyncio.run(run())
+
+
+class _FailsAfter(AsyncFlakyStorage):
+    """Goes down once ``after`` script calls reached it (the reserves of a request)."""
+
+    def __init__(self, after: int) -> None:
+        super().__init__()
+        self.after = after
+        run = self.sync.run
+
+        def counted(script: Any, keys: Any, args: Any) -> list[int]:
+            if self.sync.calls >= self.after:
+                self.sync.down = True
+            return run(script, keys, args)
+
+        self.sync.run = counted  # type: ignore[method-assign]
+
+
+@pytest.mark.parametrize("failure_mode", ["raise", "open"])
+def test_a_refused_request_cancels_in_rounds_and_logs_once(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, failure_mode: str
+) -> None:
+    """3,000 descriptors and one over its limit: every reservation is cancelled, 64 at a
+    time; when the store fails for the cancels, one WARNING for the request (counts and the
+    first failure), not one per descriptor."""
+    path = tmp_path / "config.yaml"
+    path.write_text(textwrap.dedent(RESERVE_CONFIG), encoding="utf-8")
+    many = 3_000
+    big = reserve_request(*[("user", f"u{n}") for n in range(many)], ("tight", "t"), hits=1)
+
+    async def run(store: AsyncFlakyStorage, *, fails: bool) -> None:
+        limiter = AsyncLimiter(store, clock=store.clock, failure_mode=failure_mode)  # type: ignore[arg-type]
+        decider = Decider(limiter, load_config(path))  # type: ignore[arg-type]
+        await decider.should_rate_limit(reserve_request(("tight", "t"), hits=1))
+        store.sync.calls = 0
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="ratekeeper"):
+            response, tokens = await decider.reserve(big)
+        assert response.overall_code == RateLimitResponse.OVER_LIMIT
+        assert tokens == {}
+        warnings = [r for r in caplog.records if r.levelno >= logging.WARNING]
+        if fails:  # the request's line; the limiter's own, rate-limited per reason
+            assert len(warnings) <= 5, [r.getMessage() for r in warnings]
+            (warning,) = [r for r in warnings if r.name == "ratekeeper.service"]
+            assert f"could not cancel {many} of the {many} reservations" in warning.getMessage()
+        else:
+            assert warnings == []
+            store.sync.down = False
+            peeks = await decider.should_rate_limit(
+                reserve_request(*[("user", f"u{n}") for n in range(0, many, 6)], hits=0)
+            )
+            assert {s.limit_remaining for s in peeks.statuses} == {100}  # all cancelled
+            assert {s.limit_remaining for s in response.statuses[:many]} == {100}
+
+    asyncio.run(run(AsyncFlakyStorage(), fails=False))
+    asyncio.run(run(_FailsAfter(many + 1), fails=True))

@@ -10,6 +10,8 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import logging
+import random
 import shutil
 import subprocess
 import time
@@ -19,9 +21,12 @@ from typing import Any
 import grpc
 import httpx
 import pytest
+import redis
 
+from ratekeeper import Policy
+from ratekeeper.service._decide import _SETTLED
 from ratekeeper.service._loader import load_config
-from ratekeeper.service._tokens import Tokens
+from ratekeeper.service._tokens import CLOCK_SLACK, Tokens
 
 from ..support.servers import RedisServer, free_port
 from ..support.service_support import (
@@ -259,7 +264,7 @@ def test_bad_settles_are_refused(tmp_path: Path, redis_url: str) -> None:
             # expired: the clock of the tokens moves past their lifetime
             old = await reserve("u4")
             tokens = service.decider.tokens  # type: ignore[union-attr]
-            tokens.clock = lambda: time.time() + tokens.ttl + 1
+            tokens.clock = lambda: time.time() + tokens.ttl + CLOCK_SLACK + 1
             answer = await http.post("/settle", json={"reservation": old, "actual": 0})
             assert answer.status_code == 410, answer.text
             assert "expired" in answer.text
@@ -307,6 +312,199 @@ def test_a_token_settles_on_another_instance(tmp_path: Path, redis_url: str) -> 
             assert remaining(settled) == 9
             again = await http.post(f"{urls[0]}/settle", json={"reservation": token, "actual": 1})
             assert again.status_code == 409
+
+    asyncio.run(main())
+
+
+def payload(token: str) -> dict[str, Any]:
+    """A token's payload (readable, not secret)."""
+    text = token.partition(".")[0]
+    return dict(json.loads(base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))))
+
+
+def marker_key(service: Any, token: str) -> str:
+    """The store key a settle of ``token`` marks (the rate does not name it)."""
+    return str(
+        service.decider.limiter.keys(Policy(_SETTLED, "1/minute", "gcra"), payload(token)["r"])[0]
+    )
+
+
+def test_a_token_expires_when_it_says_on_every_replica(tmp_path: Path, redis_url: str) -> None:
+    """Two replicas, same key and store, --reservation-ttl 2 and 300, their clocks moved by
+    the test: a token's expiry is its issuer's (carried in the token), so it settles once in
+    total and, expired, is refused on both. Before issue #32 a token settled on the 2 s one
+    settled again on the 300 s one 64 s later (its mark lived 62 s), and one expired on the
+    first (410) settled on the second (200)."""
+    config = write(tmp_path / "llm.yaml", CONFIG)
+    prefix = f"ttl{time.monotonic_ns()}"
+    now = [time.time()]
+
+    async def main() -> None:
+        async with (
+            running(config, redis_url, key_prefix=prefix, reservation_key=KEY,
+                    reservation_ttl=2) as short,
+            running(config, redis_url, key_prefix=prefix, reservation_key=KEY,
+                    reservation_ttl=300) as long,
+            httpx.AsyncClient() as http,
+        ):  # fmt: skip
+            for service in (short, long):
+                service.decider.tokens.clock = lambda: now[0]  # type: ignore[union-attr]
+            urls = {s: f"http://127.0.0.1:{s.http_port}" for s in (short, long)}
+            start = now[0]
+
+            async def reserve(on: Any, value: str) -> str:
+                answer = await http.post(f"{urls[on]}/reserve", json=request(("tokens", value, 4)))
+                assert answer.status_code == 200, answer.text
+                return str(answer.json()["statuses"][0]["reservation"])
+
+            async def settle(on: Any, token: str) -> httpx.Response:
+                return await http.post(
+                    f"{urls[on]}/settle", json={"reservation": token, "actual": 1}
+                )
+
+            brief, lasting, unused = (
+                await reserve(short, "a"),
+                await reserve(long, "b"),
+                await reserve(short, "c"),
+            )
+            assert payload(brief)["x"] - payload(brief)["t"] == 2000
+            assert payload(lasting)["x"] - payload(lasting)["t"] == 300_000
+            with redis.Redis.from_url(redis_url) as client:
+                now[0] = start + 1
+                assert (await settle(short, brief)).status_code == 200
+                # its mark lives to the token's expiry plus twice the slack, 2 - 1 + 10 s (and
+                # the store's TTL margin): not the settling replica's ttl + 60 s any more
+                left = client.pttl(marker_key(short, brief))
+                assert 1_000 + 2 * CLOCK_SLACK * 1000 <= left <= 13_000, left
+                # a token of the 300 s replica settled on the 2 s one: marked for 300 s and more
+                assert (await settle(short, lasting)).status_code == 200
+                assert client.pttl(marker_key(short, lasting)) > 300_000
+            for on in (short, long):
+                for token in (brief, lasting):
+                    again = await settle(on, token)
+                    assert again.status_code == 409, again.text
+            # past the short token's expiry (and the slack): refused everywhere, whatever
+            # each replica's own ttl
+            now[0] = start + 2 + CLOCK_SLACK + 1
+            for on in (short, long):
+                refused = await settle(on, unused)
+                assert refused.status_code == 410, refused.text
+                assert "2 s after its reservation" in refused.text
+            now[0] = start + 64
+            for on in (short, long):
+                assert (await settle(on, brief)).status_code == 410
+                assert (await settle(on, lasting)).status_code == 409
+            # the first format (no expiry of its own): refused, saying why
+            data = payload(unused)
+            data["v"] = 1
+            del data["x"]
+            text = (
+                base64.urlsafe_b64encode(json.dumps(data, separators=(",", ":")).encode())
+                .rstrip(b"=")
+                .decode()
+            )
+            mac = Tokens(KEY.encode())._mac(text)
+            old = f"{text}.{base64.urlsafe_b64encode(mac).rstrip(b'=').decode()}"
+            answer = await settle(long, old)
+            assert answer.status_code == 410, answer.text
+            assert "first format" in answer.text
+            peeked = await http.post(f"{urls[long]}/json", json=request(("tokens", "c", 0)))
+            assert remaining(peeked) == 6  # nothing was refunded
+
+    asyncio.run(main())
+
+
+def test_a_replayed_settle_refunds_nothing_when_its_mark_is_degraded(
+    tmp_path: Path, cluster: Any
+) -> None:
+    """The report: a 3-primary cluster, --failure-mode open, the primary holding the settled
+    marks stopped (not the one holding the identities). Each of 10 tokens settled 4 times: all
+    503 and nothing refunded (before issue #32: 16 answers of 200, refunds past the estimate)."""
+    config = write(
+        tmp_path / "llm.yaml",
+        CONFIG.replace("requests_per_unit: 10}", "requests_per_unit: 1000}", 1),
+    )
+    node_of = cluster.owner_of_key
+
+    async def main() -> None:
+        async with (
+            running(config, cluster.url, failure_mode="open", reservation_key=KEY,
+                    timeout=0.5) as service,
+            httpx.AsyncClient(base_url=f"http://127.0.0.1:{service.http_port}") as http,
+        ):  # fmt: skip
+            rule = service.decider.config.resolve("llm", [[("tokens", "id")]])[0]  # type: ignore[union-attr]
+            value = "id"
+            identity_key = service.decider.limiter.keys(
+                rule.policy, rule.identity_for([("tokens", value)])
+            )[0]  # type: ignore[union-attr]
+            holder = node_of(identity_key)
+            (victim, *_) = [n for n in cluster.primary_nodes() if n.id != holder.id]
+            tokens: list[str] = []
+            while len(tokens) < 10:
+                answer = await http.post("/reserve", json=request(("tokens", value, 30)))
+                assert answer.status_code == 200, answer.text
+                token = answer.json()["statuses"][0]["reservation"]
+                if node_of(marker_key(service, token)).id == victim.id:
+                    tokens.append(token)
+                else:  # its mark is on a primary that stays up: give it back
+                    cancelled = await http.post(
+                        "/settle", json={"reservation": token, "cancel": True}
+                    )
+                    assert cancelled.status_code == 200, cancelled.text
+            before = await peek(http, "tokens", value)
+            assert before == 1000 - 300
+            cluster.kill(victim)
+            answers = [
+                (await http.post("/settle", json={"reservation": token, "actual": 0})).status_code
+                for token in tokens
+                for _ in range(4)
+            ]
+            after = await peek(http, "tokens", value)
+            # a failover may promote the victim's replica meanwhile: then a token settles
+            # once (200, its 30 back) and its replays are 409; never two 200s for one token
+            per_token = [answers[4 * n : 4 * n + 4] for n in range(10)]
+            assert all(codes.count(200) <= 1 for codes in per_token), per_token
+            assert set(answers) <= {200, 409, 503}, answers
+            assert after == before + 30 * answers.count(200), (answers, after)
+            assert answers[0] == 503, answers
+
+    asyncio.run(main())
+
+
+def test_a_large_refused_reserve_cancels_everything_and_logs_little(
+    tmp_path: Path, redis_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """15,000 descriptors and one exhausted: 429, every reservation cancelled (a sample of 500
+    identities peeked: the full limit), at most a handful of log lines. At serve's default
+    20 ms store timeout, as reported: before issue #32 the cancel was one unbounded gather, whose
+    calls missed the deadline (here 7,325 WARNING lines, one per failed cancel)."""
+    config = write(tmp_path / "llm.yaml", CONFIG)
+    many = 15_000
+
+    async def main() -> None:
+        async with (
+            running(config, redis_url, timeout=0.02) as service,
+            httpx.AsyncClient(base_url=f"http://127.0.0.1:{service.http_port}", timeout=60) as http,
+        ):
+            assert (await http.post("/json", json=request(("tight", "x", 1)))).status_code == 200
+            body = request(*[("tokens", f"v{n}", 3) for n in range(many)], ("tight", "x", 1))
+            caplog.clear()
+            started = time.perf_counter()
+            with caplog.at_level(logging.INFO, logger="ratekeeper"):
+                answer = await http.post("/reserve", json=body)
+            elapsed = time.perf_counter() - started
+            assert answer.status_code == 429, answer.text[:200]
+            statuses = answer.json()["statuses"]
+            assert all("reservation" not in status for status in statuses)
+            lines = [r for r in caplog.records if r.levelno >= logging.WARNING]
+            assert len(lines) <= 5, [r.getMessage()[:200] for r in lines[:10]]
+            sample = random.Random(32).sample(range(many), 500)
+            peeks = await http.post(
+                "/json", json=request(*[("tokens", f"v{n}", 0) for n in sample])
+            )
+            assert peeks.status_code == 200, peeks.text[:200]
+            assert {status["limitRemaining"] for status in peeks.json()["statuses"]} == {10}
+            assert elapsed < 30, elapsed
 
     asyncio.run(main())
 

@@ -195,7 +195,8 @@ _FAILURE_MODES = ("raise", "open", "closed", "local")
     type=click.FloatRange(1, 86400),
     default=600,
     show_default=True,
-    help="Seconds within which a reservation token may be settled.",
+    help="Seconds within which a reservation token issued here may be settled; written in the "
+    "token, so every replica honours the issuer's.",
 )
 @option(
     "--exact-durations",

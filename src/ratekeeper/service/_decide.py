@@ -22,9 +22,12 @@ fills the response's ``dynamic_metadata`` as upstream's ``RESPONSE_DYNAMIC_METAD
 Reservations (HTTP ``/reserve`` and ``/settle``): :meth:`Decider.reserve` decides a request as
 :meth:`Decider.should_rate_limit` does, reserving each descriptor's hits instead, and hands
 back a token (``_tokens``) per reservation held; a request refused as a whole holds nothing (the
-reservations it made are cancelled). :meth:`Decider.settle` reads a token, finds its rule in the
-configuration in force, marks the token used in the store (so a token settles once, whichever
-worker or replica gets it) and settles or cancels it.
+reservations it made are cancelled, ``_ROUND`` at a time, a failure logged once per request).
+:meth:`Decider.settle` reads a token, finds its rule in the configuration in force, marks the
+token used in the store (so a token settles once, whichever worker or replica gets it) and
+settles or cancels it. The mark must be the store's own answer: when the store could not write
+or read it (an error, a degraded decision of a failure mode, an open breaker), the settle is
+refused (``StorageError``, HTTP 503) and changes nothing, whatever the failure mode.
 """
 
 from __future__ import annotations
@@ -43,11 +46,11 @@ from .._http import response_headers
 from .._limiters.limiter import AsyncLimiter
 from .._limiters.reservation import AsyncReservation
 from .._model.decision import Decision
-from .._model.errors import ConfigError, StorageError
+from .._model.errors import ConfigError, StorageError, StorageUnavailable
 from .._model.rates import MAX_INT, Rate
 from ._config import LimitRule, ServiceConfig, rule_policy_name
 from ._metrics import ServiceMetrics
-from ._tokens import TokenRefused, Tokens
+from ._tokens import CLOCK_SLACK, Held, TokenRefused, Tokens
 from ._upstream import limit_headers
 from .rls_pb2 import HeaderValue, RateLimitDescriptor, RateLimitRequest, RateLimitResponse
 
@@ -251,12 +254,18 @@ DEFAULT_LIMIT_HEADERS = ("RateLimit-Limit", "RateLimit-Remaining", "RateLimit-Re
 
 _OK = RateLimitResponse.OK
 _OVER_LIMIT = RateLimitResponse.OVER_LIMIT
-#: Descriptors of one request asked of the store together: one batched round trip of this
-#: many calls takes well under a millisecond on a healthy store (far below the 20 ms timeout).
+#: Descriptors of one request asked of the store together (reserved, hit or cancelled): one
+#: batched round trip of this many calls takes well under a millisecond on a healthy store (far
+#: below the 20 ms timeout), so a request of thousands is a series of quick rounds.
 _ROUND = 64
-#: How long after its token's lifetime a settled token stays marked in the store: room for the
-#: clocks of the replicas to differ.
-_CLOCK_SKEW = 60
+#: How long after its token's own expiry a settled token stays marked in the store: every
+#: reader accepts a token until its expiry plus ``CLOCK_SLACK`` on its own clock, so the mark,
+#: set on another host's clock, outlives that by the slack again.
+_MARK_SLACK = 2 * CLOCK_SLACK
+#: The policy name the settled tokens' marks are kept under (one gcra key per nonce).
+_SETTLED = rule_policy_name("s", "settled")
+#: Distinct mark lifetimes (whole seconds) whose Policy is kept for reuse.
+_MARKS_KEPT = 4096
 
 
 class _Job:
@@ -325,12 +334,10 @@ class Decider:
         self.clock = clock
         self.limit_headers = limit_headers
         self.tokens = tokens if tokens is not None else Tokens(secrets.token_bytes(32))
-        # A token's nonce is hit once under this policy: a second settle of it is denied.
-        self._settled = Policy(
-            rule_policy_name("s", "settled"),
-            Rate(1, round(self.tokens.ttl) + _CLOCK_SKEW),
-            "gcra",
-        )
+        # A token's nonce is hit once under _SETTLED, one unit per the seconds left until its
+        # expiry plus _MARK_SLACK: a second settle of it is denied until then. Its lifetime in
+        # whole seconds -> the Policy (the key is the name's and the nonce's, whatever the rate)
+        self._marks: dict[int, Policy] = {}
         # id(rule) -> (rule, its current_limit message), for the configuration in force
         self._limits: dict[int, tuple[LimitRule, RateLimitResponse.RateLimit]] = {}
         self._limits_of: ServiceConfig | None = None
@@ -374,7 +381,9 @@ class Decider:
         token that is malformed, forged, expired, settled already, or whose rule is no longer
         configured (or now another rule), and ``StorageError`` as :meth:`should_rate_limit`.
         A token is marked used before its settle is sent: when the store fails, it is not
-        settled twice."""
+        settled twice. A mark the store did not answer itself (a degraded decision: the failure
+        mode's, the breaker's) raises ``StorageError``: nothing is settled, whatever the failure
+        mode, since the service cannot tell whether the token was settled already."""
         held = self.tokens.read(token)
         entries = list(held.entries)
         try:
@@ -390,8 +399,20 @@ class Decider:
                 f"the rule this reservation was made under (domain {held.domain!r}) is no longer "
                 "in the configuration: its estimate stays counted",
             )
-        marked = await self.limiter.hit(self._settled, held.nonce)
-        if not marked.allowed and not marked.degraded:
+        try:
+            marked = await self.limiter.hit(self._mark(held), held.nonce)
+        except StorageError:
+            if self.metrics is not None:
+                self.metrics.unavailable()
+            raise
+        if marked.degraded:
+            if self.metrics is not None:
+                self.metrics.unavailable()
+            raise StorageUnavailable(
+                "could not mark the reservation settled in the store "
+                f"({marked.reason or 'degraded'}): nothing was settled; retry later"
+            )
+        if not marked.allowed:
             raise TokenRefused(409, "this reservation was settled or cancelled already")
         identity = rule.identity_for(entries)
         reservation = self.limiter.resume(policy, identity, held.estimate, held.stamp)
@@ -408,21 +429,55 @@ class Decider:
             response.overall_code = _OVER_LIMIT
         return response
 
+    def _mark(self, held: Held) -> Policy:
+        """The policy ``held``'s nonce is marked settled under: one unit per the whole seconds
+        from now to the token's own expiry plus ``_MARK_SLACK`` (at least 1)."""
+        seconds = max(1, math.ceil(held.expires + _MARK_SLACK - self.tokens.clock()))
+        policy = self._marks.get(seconds)
+        if policy is None:
+            if len(self._marks) >= _MARKS_KEPT:
+                self._marks.clear()
+            policy = self._marks[seconds] = Policy(_SETTLED, Rate(1, seconds), "gcra")
+        return policy
+
     async def _cancel(self, jobs: list[_Job], response: RateLimitResponse) -> None:
         """Cancel the reservations of ``jobs`` (a request refused as a whole, or one that
-        failed); their statuses get what is left after. A cancel the store fails is logged:
-        its estimate stays counted until its window ends."""
+        failed), ``_ROUND`` at a time; their statuses get what is left after. Cancels the
+        store fails (or a failure mode answers) are logged in one line for the request: their
+        estimates stay counted until their windows end."""
         held = [(job, job.reservation) for job in jobs if job.reservation is not None]
-        results = await asyncio.gather(
-            *(reservation.cancel() for _, reservation in held), return_exceptions=True
-        )
-        for (job, _), result in zip(held, results, strict=True):
-            if isinstance(result, StorageError):
-                log.warning("could not cancel a reservation of a refused request: %s", result)
-            elif isinstance(result, BaseException):
-                raise result
-            elif result is not None and not result.degraded:
-                response.statuses[job.index].limit_remaining = max(0, result.remaining)
+        failed = 0
+        first: BaseException | str | None = None
+        problem: BaseException | None = None
+        for start in range(0, len(held), _ROUND):
+            batch = held[start : start + _ROUND]
+            results = await asyncio.gather(
+                *(reservation.cancel() for _, reservation in batch), return_exceptions=True
+            )
+            for (job, _), result in zip(batch, results, strict=True):
+                if isinstance(result, StorageError):
+                    failed += 1
+                    first = first if first is not None else result
+                elif isinstance(result, BaseException):
+                    failed += 1
+                    problem = problem if problem is not None else result
+                elif result is not None and result.degraded:
+                    failed += 1
+                    first = first if first is not None else f"{result.reason or 'degraded'}"
+                elif result is not None:
+                    response.statuses[job.index].limit_remaining = max(0, result.remaining)
+        if failed:
+            log.warning(
+                "could not cancel %d of the %d reservations of a refused request of %d "
+                "descriptors (first failure: %s); their estimates stay counted until their "
+                "windows end",
+                failed,
+                len(held),
+                len(response.statuses),
+                first if first is not None else problem,
+            )
+        if problem is not None:
+            raise problem
 
     async def _answer(
         self, request: RateLimitRequest, *, reserving: bool

@@ -4,9 +4,15 @@ forge or alter. The service keeps nothing between the two calls.
 
 A token is ``<payload>.<mac>``, both base64url without padding: the payload is the reservation
 as compact JSON (domain, the descriptor's entries and ``limit`` override, the rule's policy name,
-the estimate, the stamp, when it was issued and a random nonce), the mac HMAC-SHA256 of the
-payload's text under the service's key. The payload is readable (base64 is not encryption): it
-holds what the client sent, and where the store counted it.
+the estimate, the stamp, when it was issued, when it expires and a random nonce), the mac
+HMAC-SHA256 of the payload's text under the service's key. The payload is readable (base64 is
+not encryption): it holds what the client sent, and where the store counted it.
+
+A token carries its own expiry (the issuer's ``ttl`` after it was issued, signed): whichever
+replica reads it, whatever ``ttl`` that one has, refuses it once it expired (plus
+:data:`CLOCK_SLACK`, for clocks that differ), so a token lives as long everywhere. Tokens of the
+first format (without an expiry) are refused (410): tokens are short-lived, and theirs depended
+on the reader.
 
 Pure: no I/O; the wall clock is injected (tokens cross processes and hosts, so it is the epoch,
 not a monotonic clock).
@@ -25,16 +31,21 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["Held", "TokenRefused", "Tokens"]
+__all__ = ["CLOCK_SLACK", "Held", "TokenRefused", "Tokens"]
 
-_VERSION = 1
+#: The token format; 1 (no expiry of its own, before issue #32) is refused.
+_VERSION = 2
+#: Seconds a token is still accepted after its expiry: room for the clocks of the issuer and
+#: the reader to differ. A settled token stays marked in the store until its expiry plus twice
+#: this (``_decide``), so that no reader whose clock is within it accepts it again.
+CLOCK_SLACK = 5.0
 _B64URL = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_")
 
 
 class TokenRefused(ValueError):
     """A token, or a settle, that the service refuses; ``status`` is the HTTP status to answer:
-    400 malformed, 403 forged or signed with another key, 409 settled already, 410 expired or
-    its rule is no longer configured."""
+    400 malformed, 403 forged or signed with another key, 409 settled already, 410 expired, of
+    the first format (no expiry of its own) or its rule is no longer configured."""
 
     def __init__(self, status: int, message: str) -> None:
         super().__init__(message)
@@ -46,7 +57,8 @@ class Held:
     """What a token says: a reservation of ``estimate`` for the descriptor ``entries`` of
     ``domain`` (with its ``limit`` override, if any) under the rule whose policy is ``policy``,
     counted by the store at ``stamp`` (None: a failure mode admitted it, the store holds
-    nothing); ``issued`` in seconds since the epoch; ``nonce`` makes each token one of a kind."""
+    nothing); ``issued`` and ``expires`` in seconds since the epoch (``expires``: the issuer's
+    ttl after ``issued``); ``nonce`` makes each token one of a kind."""
 
     domain: str
     entries: tuple[tuple[str, str], ...]
@@ -55,6 +67,7 @@ class Held:
     estimate: int
     stamp: int | None
     issued: float
+    expires: float
     nonce: str
 
 
@@ -74,7 +87,9 @@ def _malformed(what: str) -> TokenRefused:
 
 
 class Tokens:
-    """Signs and reads tokens under ``key``; a token older than ``ttl`` seconds is refused."""
+    """Signs and reads tokens under ``key``. A token issued here expires ``ttl`` seconds after
+    it was issued: the expiry is written in the token, and read checks the token's own expiry
+    (plus :data:`CLOCK_SLACK`), never this ``ttl``, so replicas with different ttls agree."""
 
     def __init__(
         self, key: bytes, ttl: float = 600.0, *, clock: Callable[[], float] = time.time
@@ -95,7 +110,8 @@ class Tokens:
         estimate: int,
         stamp: int | None,
     ) -> str:
-        """A token for a reservation made now."""
+        """A token for a reservation made now, expiring ``ttl`` seconds from now."""
+        now = self.clock()
         data = {
             "v": _VERSION,
             "d": domain,
@@ -104,7 +120,8 @@ class Tokens:
             "p": policy,
             "n": estimate,
             "s": stamp,
-            "t": round(self.clock() * 1000),
+            "t": round(now * 1000),
+            "x": round((now + self.ttl) * 1000),
             "r": secrets.token_hex(12),
         }
         text = json.dumps(data, separators=(",", ":"), ensure_ascii=False)
@@ -113,7 +130,8 @@ class Tokens:
 
     def read(self, token: str) -> Held:
         """The reservation ``token`` holds; raises :class:`TokenRefused`: 400 when it is not a
-        token, 403 when its mac does not verify, 410 when it is older than ``ttl``."""
+        token, 403 when its mac does not verify, 410 when it expired (its own expiry, plus
+        :data:`CLOCK_SLACK`) or is of the first format (no expiry of its own)."""
         payload, dot, mac = token.partition(".")
         if not dot or not payload or not mac:
             raise _malformed("expected <payload>.<mac>")
@@ -130,14 +148,27 @@ class Tokens:
             )
         try:
             data: Any = json.loads(_unb64(payload))
-            held = _held(data)
-        except (binascii.Error, ValueError, TypeError, KeyError):
+        except (binascii.Error, ValueError):
             raise _malformed("unreadable payload") from None
-        if self.clock() - held.issued > self.ttl:
+        if isinstance(data, dict) and data.get("v") == 1:
             raise TokenRefused(
                 410,
-                f"the reservation expired: a token settles within {self.ttl:g} s of its "
-                "reservation (--reservation-ttl); its estimate stays counted",
+                "the reservation token is of the first format, which has no expiry of its own "
+                "and is no longer settled (ratekeeper was upgraded since it was issued); its "
+                "estimate stays counted until its window ends",
+            )
+        try:
+            held = _held(data)
+        except (ValueError, TypeError, KeyError, IndexError):
+            raise _malformed("unreadable payload") from None
+        late = self.clock() - held.expires
+        if late > CLOCK_SLACK:
+            raise TokenRefused(
+                410,
+                f"the reservation expired {late:.0f} s ago: a token settles until the expiry it "
+                f"carries ({held.expires - held.issued:g} s after its reservation, the issuing "
+                f"replica's --reservation-ttl, plus {CLOCK_SLACK:g} s of clock slack); its "
+                "estimate stays counted",
             )
         return held
 
@@ -168,5 +199,6 @@ def _held(data: Any) -> Held:
         estimate=_int(data["n"]),
         stamp=None if data["s"] is None else _int(data["s"]),
         issued=_int(data["t"]) / 1000,
+        expires=_int(data["x"]) / 1000,
         nonce=_str(data["r"]),
     )
