@@ -46,9 +46,12 @@ from hypothesis import strategies as st
 import ratekeeper.testing
 from ratekeeper import AsyncLimiter, CircuitBreaker, Decision, Limiter, ManualClock, Policy, Rate
 from ratekeeper._algorithms import (
+    CHARGE,
     HIT,
     PEEK,
+    REFUND,
     RELEASE,
+    RESERVE,
     Reply,
     decode_args,
     encode_args,
@@ -77,9 +80,12 @@ from ..support.strategies import (
     Reset,
     Scenario,
     WaitRetry,
+    algorithm_policies,
     algorithm_scenarios,
     boundary_scenarios,
     burst_of,
+    capacity,
+    draw_time_op,
     scenarios,
 )
 
@@ -997,6 +1003,138 @@ def test_scripts_equal_the_references_when_the_clock_goes_back(
                 waits = [retry for retry in reply[3::3] if retry >= 0]
                 if not reply[0] and waits:
                     last_retry = max(waits)
+    finally:
+        direct.client.close()
+
+
+# == reservations: refunds and charges, the clock both ways ==================================
+
+#: The cases whose policies take reservations (all but concurrency).
+RESERVATION_CASES = (*LOG_CASES, *(case for case in ALGORITHM_CASES if case != "concurrency"))
+#: What a step of the reservations' property does, weighted.
+RESERVATION_OPS = ["reserve"] * 3 + ["settle"] * 3 + ["hit"] * 2 + ["charge", "peek"] + ["time"] * 3
+
+
+@dataclass
+class Counted:
+    """One call that counted units on a key: a hit, a reservation (less what was refunded of
+    it) or a charge, at its clock's time in us; ``admitted`` for a hit or a reservation (a
+    charge is counted whatever the limit)."""
+
+    at: int
+    units: int
+    admitted: bool
+
+
+def check_counted(policy: Policy, events: list[Counted]) -> None:
+    """The admission that ends ``events`` kept the limit, with everything counted before it
+    (charges included, refunds taken off): the units in its window of each rate (the log: the
+    last ``period``; the window counters: its aligned window) are at most the limit, and for
+    gcra the units between any earlier admission and it at most the burst plus what the rate
+    refills meanwhile (as ``check_history``)."""
+    last = events[-1]
+    for index, rate in enumerate(policy.rates):
+        window = rate.period_us
+        if policy.algorithm == "sliding_log":
+            inside = sum(e.units for e in events if last.at - window < e.at <= last.at)
+            assert inside <= rate.limit, (rate, events)
+        elif policy.algorithm in ("fixed_window", "sliding_window"):
+            start = last.at - last.at % window
+            inside = sum(e.units for e in events if start <= e.at < start + window)
+            assert inside <= rate.limit, (rate, events)
+        else:
+            burst = burst_of(policy, index)
+            total = 0
+            for first in reversed(events):
+                total += first.units
+                if first.admitted:
+                    elapsed_ms = last.at // 1000 - first.at // 1000
+                    bound = burst + elapsed_ms * rate.limit // rate.period_ms
+                    assert total <= bound, (rate, burst, events)
+
+
+Held = tuple[str, int, int, "Counted | None"]
+
+
+def settle_one(
+    direct: Direct,
+    data: st.DataObject,
+    held: list[Held],
+    counted: dict[str, list[Counted]],
+    now: int,
+    where: str,
+) -> None:
+    """Settle or cancel one of the reservations ``held``: a charge of the overrun, counted
+    now, or a refund of the rest, taken off the reservation's entry."""
+    key, estimate, stamp, event = held.pop(data.draw(st.integers(0, len(held) - 1)))
+    actual = data.draw(st.one_of(st.just(0), st.integers(0, 2 * estimate)))  # 0: a cancel
+    if actual > estimate:
+        direct.agree(key, now, actual - estimate, CHARGE, "", where)
+        counted[key].append(Counted(now, actual - estimate, admitted=False))
+    else:
+        direct.agree(key, now, estimate - actual, REFUND, str(stamp), where)
+        if event is not None:
+            event.units = actual
+
+
+@SHRINK_TIMEOUT
+@pytest.mark.parametrize("case", RESERVATION_CASES)
+@settings(ALGORITHM_SETTINGS, max_examples=100)
+@given(data=st.data())
+def test_reservations_keep_the_limit_and_the_scripts_equal_the_references(
+    server: RedisServer, case: str, data: st.DataObject
+) -> None:
+    """Reserves, settles (refunds and charges), cancels, hits and peeks on two keys, with the
+    clock moving forward and, as when instances' clocks disagree, back: the script and its
+    reference reply alike and hold the same state at every step, and no admission ever takes
+    a window past the limit (a refund takes back only what still counts).
+
+    The limit is checked on the calls since the clock last moved back: the instances whose
+    clocks agree (a stretch of one clock), whatever the others counted before, whose
+    reservations may still be refunded in it. Across a move back no window is defined
+    that every algorithm keeps (an aligned window forgotten for a later one counts again)."""
+    policy = data.draw(algorithm_policies(case), label="policy")
+    top = capacity(policy)
+    periods = [rate.period_us for rate in policy.rates]
+    direct = Direct(server, policy)
+    prefix = fresh_prefix()
+    now = int(START * 1_000_000)
+    tokens = itertools.count()
+    # Per key, what the current stretch counted; the reservations held: key, cost, stamp and
+    # their entry in the stretch that made them (None once the clock moved back since).
+    counted: dict[str, list[Counted]] = defaultdict(list)
+    held: list[Held] = []
+    try:
+        for step in range(data.draw(st.integers(1, 40), label="steps")):
+            kind = data.draw(st.sampled_from(RESERVATION_OPS))
+            where = f"step {step}: {kind} at {now}"
+            key = f"{prefix}:{data.draw(st.sampled_from([0, 0, 0, 1]))}"
+            if kind == "time":
+                how = data.draw(st.sampled_from(["advance", "advance", "boundary"]))
+                back = data.draw(st.integers(0, 4)) == 0
+                after = moved(now, draw_time_op(data.draw, how, periods), back, 0)
+                if after is not None and after < now:
+                    counted.clear()  # another instance's clock: a new stretch
+                    held = [(k, c, stamp, None) for k, c, stamp, _ in held]
+                now = after if after is not None else now
+            elif kind in ("reserve", "hit"):
+                cost = data.draw(st.integers(1, top + 1))
+                mode = RESERVE if kind == "reserve" else HIT
+                reply = direct.agree(key, now, cost, mode, f"t{next(tokens):x}", where)
+                if reply[0] == 1:
+                    event = Counted(now, cost, admitted=True)
+                    counted[key].append(event)
+                    check_counted(policy, counted[key])
+                    if kind == "reserve":
+                        held.append((key, cost, reply[-1], event))
+            elif kind == "charge":  # limiter.charge: no reservation
+                cost = data.draw(st.integers(0, 3 * top))
+                direct.agree(key, now, cost, CHARGE, "", where)
+                counted[key].append(Counted(now, cost, admitted=False))
+            elif kind == "settle" and held:
+                settle_one(direct, data, held, counted, now, where)
+            else:
+                direct.agree(key, now, data.draw(st.integers(1, top)), PEEK, "", where)
     finally:
         direct.client.close()
 

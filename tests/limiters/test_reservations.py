@@ -195,6 +195,59 @@ def test_a_reservation_a_failure_mode_admitted_charges_the_whole_actual_when_set
     down.close()
 
 
+def most_in_a_window(times: list[float], period: float) -> int:
+    """The most of ``times`` (seconds, one per unit) inside any window ``[t, t + period)``."""
+    ordered = sorted(times)
+    return max(
+        (sum(1 for u in ordered if t <= u < t + period) for t in ordered),
+        default=0,
+    )
+
+
+@pytest.mark.parametrize("algorithm", ["gcra", "token_bucket"])
+def test_a_refund_gives_back_only_what_still_counts_on_gcra(
+    make_limiter: MakeLimiter, algorithm: str
+) -> None:
+    """Issue #32: a reservation of 6 on 10 per 10 s, then 10.5 s later 10 hits pass (the 6 have
+    come back by themselves), then ``settle(0)``: the refund finds nothing of the 6 still ahead
+    and gives nothing back, so nothing more passes in the next 0.1 s (it let 6 more through:
+    16 within 0.1 s). At the reservation's own instant a refund still gives back all of it,
+    and a little later the part of its emission not yet passed."""
+    clock = ManualClock(START)
+    limiter = make_limiter(clock=clock, deny_cache=0)
+    policy = Policy("p", "10/10 seconds", algorithm)
+    admitted: list[float] = []
+    reservation = limiter.reserve(policy, "u", cost=6)
+    assert reservation.allowed
+    clock.set(START + 10.5)
+    for _ in range(10):
+        assert limiter.hit(policy, "u").allowed
+        admitted.append(clock())
+    after = reservation.settle(0)
+    assert not after.allowed
+    assert after.remaining == 0
+    for step in range(11):  # every 10 ms for 0.1 s
+        clock.set(START + 10.5 + step / 100)
+        for _ in range(10):
+            if limiter.hit(policy, "u").allowed:
+                admitted.append(clock())
+    assert len(admitted) == 10
+    assert most_in_a_window(admitted, 10.0) <= 10
+
+    # At its own instant, all of it comes back; 3 s on, the 3 units still ahead of now.
+    clock.set(START + 100)
+    whole = limiter.reserve(policy, "v", cost=6)
+    assert whole.settle(0).remaining == 10
+    part = limiter.reserve(policy, "w", cost=6)
+    for _ in range(4):
+        assert limiter.hit(policy, "w").allowed  # the TAT is 10 s ahead: the bucket is empty
+    clock.set(START + 103)
+    assert limiter.peek(policy, "w").remaining == 3
+    assert part.settle(0).remaining == 6  # 3 came back by themselves, 3 refunded
+    assert limiter.reserve(policy, "w", cost=6).allowed
+    assert not limiter.hit(policy, "w").allowed
+
+
 def test_a_refund_lifts_this_processs_cached_denial(backend: str, key_prefix: str) -> None:
     limiter = Limiter.from_url(backend, key_prefix=key_prefix, clock=ManualClock(START + 0.5))
     policy = Policy("tokens", "10/hour")

@@ -6,6 +6,16 @@ fits at time t when ``max(TAT, t) + c*T - t <= B*T``. The TAT is kept exactly as
 of milliseconds plus a remainder in units of 1/limit ms, so the rate is exact and so is
 ``retry_after`` (to the millisecond the algorithm counts in).
 
+Settling a reservation: a charge adds ``c*T`` to the TAT (past the burst); a refund takes back
+only what still counts. The reservation's units were emitted from ``max(TAT then, a)`` on, ``a``
+its stamp in whole ms, and what was admitted since is stacked above them; so a refund of ``c``
+units at ``t`` moves the TAT back by the part of ``c*T`` from ``a`` on that is still ahead of
+``t``, ``min(c*T, max(a + c*T - t, 0))``, and never below ``t`` (in the integers the script
+uses, ``d = max(d - min(c*W, max((a - t)*limit + c*W, 0)), 0)``). All of it at the
+reservation's own millisecond; nothing once its units have come back by themselves, so the TAT
+never drops below what it would be had they never been counted, whatever was admitted since
+(at times up to ``t``: a clock ahead of the refund's could still see units it had emitted).
+
 Deliberate differences from the script (also in its header), which change no reply and no
 stored field:
 
@@ -22,6 +32,7 @@ from .._model.errors import ConfigError
 from .._model.rates import MAX_INT, MAX_SPAN_US
 from ._base import (
     CHARGE,
+    REFUND,
     RESERVE,
     RETRY_NEVER,
     RETRY_NONE,
@@ -75,10 +86,13 @@ def _debt(stored: dict[str, int], i: int, tms: int, limit: int) -> int:
 
 def settle(keyspace: Keyspace, key: str, args: Args) -> None:
     """A charge (d grows by the cost, past the burst, up to a debt that stays exact and fits
-    ``MAX_SPAN_US``) or a refund (d shrinks by the cost, not below 0), as the script's settle
+    ``MAX_SPAN_US``) or a refund (d shrinks by the part of the refunded units' emission still
+    ahead of now, counted from the reservation's stamp, not below 0), as the script's settle
     block."""
     now, cost = args.now, args.cost
     tms = now // 1000
+    # The refunded reservation's stamp in whole ms: its units were counted from then on.
+    at = int(args.token) // 1000 if args.mode == REFUND else 0
     stored: dict[str, int] = keyspace.get(key, now) or {}
     writes: dict[str, int] = {}
     ttl = 0
@@ -91,7 +105,9 @@ def settle(keyspace: Keyspace, key: str, args: Args) -> None:
             if args.mode == CHARGE:
                 d = min(d + cost * wms, MAX_INT - burst * wms, limit * (MAX_SPAN_US // 1000))
             else:
-                d = max(d - cost * wms, 0)
+                # cost * T from the stamp on, less what of it has passed: (at + cost T - t) L
+                ahead = min(cost * wms, max((at - tms) * limit + cost * wms, 0))
+                d = max(d - ahead, 0)
         whole = d // limit
         rest = d - whole * limit
         writes.update({f"q{i}": tms + whole, f"r{i}": rest})

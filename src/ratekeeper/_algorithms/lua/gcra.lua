@@ -4,7 +4,8 @@
 -- KEYS[1]  a hash; per rate i the fields 'q<i>' and 'r<i>': TAT = q + r / limit milliseconds
 --          since the epoch, exact (the emission interval W / limit is a fraction of a ms)
 -- ARGV     the shared layout (see ratekeeper/_algorithms/_base.py):
---          now (0 = server TIME), cost, mode (0 hit, else read only), token (unused), TTL margin (ms),
+--          now (0 = server TIME), cost, mode (0 hit, 3 reserve, 4 charge, 5 refund, else read
+--          only), token (a refund's reservation stamp, else unused), TTL margin (ms),
 --          n, then n pairs of limit and window in microseconds, then n bursts
 --
 -- With emission interval T = W / limit and burst B, a cost c fits at time t when
@@ -26,9 +27,16 @@
 --     window is always a whole number of milliseconds (Rate.period_us).
 --
 -- Settling a reservation moves d and nothing else (mode 4: d + cost * W, past the burst, up to
--- a debt whose arithmetic stays exact and whose wait fits 2^51 us; mode 5: d - cost * W, not
--- below 0, as if the units had never been taken: GCRA is linear above an empty bucket). It
--- writes first, then replies as a peek of cost 1.
+-- a debt whose arithmetic stays exact and whose wait fits 2^51 us; mode 5: a refund takes back
+-- only what still counts). It writes first, then replies as a peek of cost 1. A refund of c
+-- units of the reservation stamped s (ARGV 4, in whole ms a = floor(s / 1000)) moves the TAT
+-- back by the part of c emission intervals, counted from a, still ahead of t:
+--     d = max(d - min(c * W, max((a - t) * limit + c * W, 0)), 0).
+-- The reserved units were emitted from max(TAT then, a) >= a on, and everything admitted
+-- since is stacked above them, so the TAT never drops below what it would be had the units
+-- never been counted (when no call since had a clock ahead of t): once the bucket has drained
+-- past them (the reservation's units have come back by themselves) nothing is refunded, and
+-- at the reservation's own ms all of it is.
 -- now, cost, mode, peek, n and key come from _prelude.lua.
 
 -- floor(a / b) for integers, exact where a / b in doubles might round across an integer.
@@ -50,6 +58,9 @@ end
 
 if mode == '4' or mode == '5' then
   local writes, ttl, changed = {}, 0, false
+  -- The refunded reservation's stamp in whole ms: its units were counted from then on.
+  local at = 0
+  if mode == '5' then at = idiv(ARGV[4] + 0, 1000) end
   for i = 1, n do
     local limit, wms = ARGV[5 + 2 * i] + 0, ARGV[6 + 2 * i] / 1000
     local burst = ARGV[6 + 2 * n + i] + 0
@@ -64,7 +75,11 @@ if mode == '4' or mode == '5' then
       if mode == '4' then
         d = math.min(d + cost * wms, 9007199254740992 - burst * wms, limit * 2251799813685)
       else
-        d = math.max(d - cost * wms, 0)
+        -- cost * T from the stamp on, less what of it has passed: (at + cost T - t) * limit
+        local ahead = (at - tms) * limit + cost * wms
+        if ahead > cost * wms then ahead = cost * wms end
+        if ahead < 0 then ahead = 0 end
+        d = math.max(d - ahead, 0)
       end
     end
     local whole = idiv(d, limit)
