@@ -118,6 +118,22 @@ def test_bad_actual_costs_are_refused_before_anything_is_sent(make_limiter: Make
     assert reservation.settle(0).remaining == 100
 
 
+def test_a_reservation_is_not_pickled_but_says_how_to_hand_it_over() -> None:
+    """A reservation is bound to its limiter: pickling it says what to send instead (was:
+    "Can't pickle local object ...<lambda>")."""
+    import pickle
+
+    policy = Policy("handover", "10/minute", "gcra")
+    with Limiter.from_url("memory://") as limiter:
+        reservation = limiter.reserve(policy, "u", cost=3)
+        with pytest.raises(
+            TypeError, match=r"limiter\.resume\(policy, identity, estimate, stamp\)"
+        ):
+            pickle.dumps(reservation)
+        resumed = limiter.resume(policy, "u", reservation.estimate, reservation.stamp)
+        assert resumed.settle(1).remaining == 9  # what the hand-over is for
+
+
 def test_a_concurrency_policy_hands_out_leases_instead(make_limiter: MakeLimiter) -> None:
     limiter = make_limiter()
     with pytest.raises(ConfigError, match=r"leases.*acquire"):

@@ -52,6 +52,15 @@ class _Reserved:
         self._cancel_on_error = cancel_on_error
         self._state = _HELD if decision.allowed else _DENIED
 
+    def __reduce__(self) -> Any:
+        # A reservation is bound to the limiter that made it; another process resumes it.
+        raise TypeError(
+            f"a reservation cannot be pickled: it is bound to its limiter. Send its policy's "
+            f"name, the identity, its estimate ({self.estimate}) and its stamp ({self.stamp!r}) "
+            f"instead, and resume it where it is settled: limiter.resume(policy, identity, "
+            f"estimate, stamp)"
+        )
+
     @property
     def allowed(self) -> bool:
         """Whether the estimate was admitted: do the work only then."""
