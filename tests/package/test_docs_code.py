@@ -452,6 +452,141 @@ def check_llm(ns: Namespace, env: Env) -> None:
         limiter.close()
 
 
+def llm_budget_given(env: Env) -> Namespace:
+    from ..support.llm_app import FakeModel  # streams one token per event, usage in the last
+
+    return {"upstream": FakeModel()}
+
+
+def _chat(key: str | None, content: str, **fields: Any) -> tuple[dict[str, str], Any]:
+    headers = {} if key is None else {"x-api-key": key}
+    return headers, {"messages": [{"role": "user", "content": content}], **fields}
+
+
+def chat_calls(app: Any, calls: list[Any], limiter: AsyncLimiter) -> list[httpx.Response]:
+    """POST each (headers, body) of ``calls`` to the gateway's chat route, one event loop
+    (a callable among them is called there, between two requests), then close ``limiter``
+    on it."""
+
+    async def main() -> list[httpx.Response]:
+        transport = httpx.ASGITransport(app=app, client=(PEER, 40000))
+        responses = []
+        async with httpx.AsyncClient(transport=transport, base_url="http://testserver") as http:
+            for call in calls:
+                if callable(call):
+                    call()
+                    continue
+                headers, body = call
+                responses.append(
+                    await http.post("/v1/chat/completions", headers=headers, json=body)
+                )
+        await limiter.close()
+        return responses
+
+    return asyncio.run(main())
+
+
+def gateway_identity(ns: Namespace, key: str) -> str:
+    from ratekeeper.asgi import request_from_scope
+
+    return ns["api_key"](request_from_scope({"headers": [(b"x-api-key", key.encode())]}))
+
+
+def check_llm_gateway(ns: Namespace, env: Env) -> None:
+    streamed, answered, keyless, greedy = chat_calls(
+        ns["app"],
+        [
+            _chat("k1", "word" * 50, stream=True, completion_tokens=30),  # 50 + 30 tokens
+            _chat("k1", "hi" * 20, completion_tokens=7),  # 10 + 7, as JSON
+            _chat(None, "hi", completion_tokens=7),
+            _chat("k1", "hi", max_tokens=5000, completion_tokens=7),
+        ],
+        ns["limiter"],
+    )
+    assert streamed.status_code == 200, streamed.text
+    assert streamed.text.count("tok ") == 30
+    assert '"total_tokens": 80' in streamed.text
+    assert streamed.text.endswith("data: [DONE]\n\n")
+    assert answered.status_code == 200, answered.text
+    assert answered.json()["usage"]["total_tokens"] == 17
+    assert keyless.status_code == 400  # missing_identity="reject"
+    assert greedy.status_code == 400  # max_tokens above MAX_TOKENS
+    limiter = env.limiter()
+    try:  # reserved prompt + 4096 each, settled to 80 and 17; two requests
+        key = gateway_identity(ns, "k1")
+        assert remaining(limiter, ns["TOKENS"], key) == 100000 - 80 - 17
+        assert remaining(limiter, ns["REQUESTS"], key) == 60 - 2
+    finally:
+        limiter.close()
+
+
+def check_llm_estimating(ns: Namespace, env: Env) -> None:
+    limiter = env.limiter()
+    key = gateway_identity(ns, "k2")
+    try:
+        held = [limiter.acquire(ns["IN_FLIGHT"], key) for _ in range(4)]
+        assert all(lease.allowed for lease in held)
+        call = _chat("k2", "word" * 40, stream=True, completion_tokens=650)  # estimate 540
+        reserved: list[int] = []
+
+        def release_one() -> None:
+            reserved.append(remaining(limiter, ns["TOKENS"], key))
+            held[0].release()
+
+        capped, streamed = chat_calls(ns["estimating"], [call, release_one, call], ns["limiter"])
+        assert capped.status_code == 429, capped.text  # 4 in flight already
+        assert capped.json() == {"error": "too many requests in flight"}
+        assert reserved == [100000]  # refused before anything was reserved
+        assert streamed.status_code == 200, streamed.text
+        assert remaining(limiter, ns["TOKENS"], key) == 100000 - 690  # settled past the estimate
+        for lease in held:
+            lease.release()
+    finally:
+        limiter.close()
+
+
+def llm_client_given(env: Env) -> Namespace:
+    monkeypatch = env.request.getfixturevalue("monkeypatch")
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-test")
+
+    def api(request: httpx.Request) -> httpx.Response:  # the model's API, streaming
+        assert request.headers["authorization"] == "Bearer sk-test"
+        body = json.loads(request.content)
+        assert body["stream"] is True
+        if body["messages"][0]["content"] == "busy":
+            return httpx.Response(429, json={"error": "slow down"})
+        events = [
+            {"choices": [{"delta": {"content": "Hello"}}]},
+            {"choices": [{"delta": {"content": " there"}}]},
+            {"choices": [], "usage": {"prompt_tokens": 30, "completion_tokens": 2,
+                                      "total_tokens": 32}},
+        ]  # fmt: skip
+        sse = "".join(f"data: {json.dumps(e)}\n\n" for e in events) + "data: [DONE]\n\n"
+        headers = {"content-type": "text/event-stream"}
+        return httpx.Response(200, headers=headers, content=sse.encode())
+
+    monkeypatch.setattr(httpx, "AsyncHTTPTransport", lambda: httpx.MockTransport(api))
+    return {}
+
+
+def check_llm_client(ns: Namespace, env: Env) -> None:
+    async def main() -> str:
+        text = await ns["complete"]([{"role": "user", "content": "word" * 30}], max_tokens=64)
+        with pytest.raises(httpx.HTTPStatusError):
+            await ns["complete"]([{"role": "user", "content": "busy"}])
+        await ns["llm"].aclose()
+        await ns["limiter"].close()
+        return text
+
+    assert asyncio.run(main()) == "Hello there"
+    limiter = env.limiter()
+    try:  # reserved 30 + 64, settled to 32; the refused call's reservation cancelled
+        assert remaining(limiter, ns["TOKENS"], "openai") == 200000 - 32
+        assert remaining(limiter, ns["REQUESTS"], "api.openai.com") == 500 - 2
+    finally:
+        limiter.close()
+
+
 def check_proxies_key(ns: Namespace, env: Env) -> None:
     from starlette.applications import Starlette
     from starlette.responses import JSONResponse
@@ -632,6 +767,14 @@ CASES = [
     Case("docs/outbound.md", "client = httpx.Client(", check_httpx, outbound_given),
     Case("docs/outbound.md", "actual_cost=used", check_httpx_cost),
     Case("docs/outbound.md", "from celery import Celery", check_celery),
+    Case("docs/llm-budget.md", "class ReadBody", check_llm_gateway, llm_budget_given),
+    Case(
+        "docs/llm-budget.md",
+        "class InFlight",
+        check_llm_estimating,
+        lambda env: {"limiter": env.async_limiter()},
+    ),
+    Case("docs/llm-budget.md", "async def complete(", check_llm_client, llm_client_given),
     Case("docs/per-request.md", "def plan(request)", check_per_request, per_request_given),
     Case("docs/per-request.md", "async def chat(", check_llm, llm_given),
     Case("docs/proxies.md", "request_view", check_in_child, django="proxies"),
