@@ -634,3 +634,19 @@ def test_an_application_policy_chosen_per_request_with_its_own_key():
     assert replies[3] == (429, both)
     # The internal tenant: only the per-user policy applies.
     assert replies[4:] == [(200, '"per-user";q=2;w=60')] * 2 + [(429, '"per-user";q=2;w=60')]
+
+
+def test_a_concurrency_policy_is_refused_where_a_request_would_be_charged_under_it() -> None:
+    """A concurrency policy holds leases around work (``limiter.acquire``); a rule, the
+    default policy or the application policy charging requests under it is refused when the
+    middleware is configured, naming it (it used to fail on the first request)."""
+    slots = Policy("slots", "4/minute", algorithm="concurrency")
+    limiter = AsyncLimiter.from_url("memory://")
+    with pytest.raises(ConfigError, match=r"rule policy 'slots' is a concurrency policy"):
+        Rule("/v1/*", slots)
+    with pytest.raises(ConfigError, match=r"'slots' is a concurrency policy.*acquire"):
+        RateLimitMiddleware(plain_app, limiter=limiter, policy=slots)
+    with pytest.raises(ConfigError, match=r"application_policy 'slots' is a concurrency"):
+        RateLimitMiddleware(
+            plain_app, limiter=limiter, policy=Policy("api", "10/minute"), application_policy=slots
+        )

@@ -34,7 +34,7 @@ from ._render import (
     with_length,
 )
 from ._request import Request
-from ._rules import Rule, anonymous_identity, is_preflight, make_rules
+from ._rules import Rule, anonymous_identity, check_charged, is_preflight, make_rules
 from ._steps import Admission, Charge, Settle, Steps, StoreCall
 
 log = logging.getLogger("ratekeeper")
@@ -169,6 +169,7 @@ class Limiting:
                 f"application_policy must be a Policy or a callable of the request returning "
                 f"one, got {application_policy!r}"
             )
+        check_charged(application_policy, "application_policy")
         for name, func in (("key", key), ("application_key", application_key)):
             if func is not None and not callable(func):
                 raise ConfigError(f"{name} must be a callable of the request, got {func!r}")

@@ -117,6 +117,7 @@ class Rule:
                 f"rule policy must be a Policy, None or a callable of the request returning "
                 f"one, got {self.policy!r}"
             )
+        check_charged(self.policy, "rule policy")
         if self.methods is not None:
             if isinstance(self.methods, str) or not all(
                 isinstance(m, str) and m for m in self.methods
@@ -179,6 +180,17 @@ def _check_cost(cost: Any, what: str) -> int:
     if isinstance(cost, bool) or not isinstance(cost, int) or cost < 1:
         raise ConfigError(f"{what} must be an int >= 1, got {cost!r}")
     return cost
+
+
+def check_charged(policy: object, what: str) -> None:
+    """A policy a request is charged under: not a ``concurrency`` one, whose units are leases
+    held while work runs (``limiter.acquire``), not charges."""
+    if isinstance(policy, Policy) and policy.algorithm == "concurrency":
+        raise ConfigError(
+            f"{what} {policy.name!r} is a concurrency policy: requests hold its leases with "
+            f"limiter.acquire(...) around the work (a middleware of your own), they are not "
+            f"charged against it"
+        )
 
 
 def make_rules(
