@@ -11,9 +11,9 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from .._algorithms.policy import Policy
+from .._engine.core import check_actual
 from .._model.decision import Decision
 from .._model.errors import ConfigError
-from .._model.rates import MAX_INT
 from ._base import (
     MISSING_IDENTITY,
     PREFLIGHT,
@@ -437,11 +437,9 @@ class Limiting:
             if actual is None:
                 reservation.keep()
                 continue
-            if (
-                isinstance(actual, bool)
-                or not isinstance(actual, int)
-                or not 0 <= actual <= MAX_INT
-            ):
+            try:
+                check_actual(actual)  # what a settle takes: a whole number from 0 to 2**53
+            except ConfigError:
                 reservation.keep()
                 self._bad_cost(charge, actual)
                 continue
@@ -474,8 +472,3 @@ class Limiting:
         status, extra, body = self.denied(denial, request)
         response = (status, with_length(merge_headers(extra, headers), body), body)
         return Admission(tuple(d for d in decisions if d.allowed), headers, response)
-
-
-def _is_cost(value: object) -> bool:
-    """Whether ``value`` is a cost a handler may report: a whole number from 0 to 2**53."""
-    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_INT
